@@ -1,0 +1,11 @@
+"""Fused Norm Cookbook: the fused normalization kernels of LLM and diffusion inference.
+
+Each op exists as a PyTorch reference, a Numba CUDA kernel and optimized CUDA C versions; the
+registry (`cookbook.registry`) lists them all. Importing this package imports neither Numba nor
+the CUDA extension: both load on first use.
+"""
+
+from cookbook.ops.qk_norm import qk_norm
+
+__all__ = ["qk_norm"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""One contract module per op: checks, PyTorch reference, inputs, tolerances, bytes moved."""

@@ -1,0 +1,16 @@
+"""Peers measured side by side with our kernels: what a user would run instead.
+
+Each peer is a factory returning a fresh callable with the registry's calling convention, so
+the benchmark compiles one per shape (static shapes, no recompile limit to hit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def qk_norm_compiled():
+    """torch.compile(fullgraph=True) of the PyTorch reference (in place, like ours)."""
+    from cookbook.ops.qk_norm import reference
+
+    return torch.compile(reference, fullgraph=True, dynamic=False)

@@ -1,0 +1,84 @@
+"""Agreement checks shared by tests, the benchmark and the notebooks.
+
+An implementation agrees with an op's contract when, element by element:
+
+* rounding="fused": it is within `tol.fused_ulp` ulps (of the output dtype) of the float64 value;
+* rounding="hf": it is within `tol.hf_ulp` ulps of the Hugging Face-order reference and
+  bit-identical to it in at least `tol.hf_exact_share` of the elements.
+
+Mismatches are reported verbosely: how many, the first few indices with both values, the worst.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_SHOW = 5
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How close an implementation must be, per dtype.
+
+    fused: every element within `fused_ulp` ulps of the float64 value (a correctly rounded result
+           is within 0.5; float32 arithmetic adds a little).
+    hf:    every element within `hf_ulp` ulps of the Hugging Face-order reference, and at least
+           `hf_exact_share` of the elements bit-identical to it (double rounding differs from a
+           single rounding in a large share of elements, so a fused kernel fails this).
+    """
+
+    fused_ulp: float
+    hf_ulp: float
+    hf_exact_share: float
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Size of one unit in the last place of `dtype` at each value of float64 `x`."""
+    info = torch.finfo(dtype)
+    mantissa = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}[dtype]
+    min_exp = int(math.log2(info.tiny))
+    exp = torch.floor(torch.log2(x.abs().clamp_min(info.tiny)))
+    return torch.exp2(exp.clamp_min(min_exp) - mantissa)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    ok: bool
+    message: str
+    max_ulp: float
+
+
+def agreement(name, actual, exact, rounded, rounding, tol: Tolerance) -> Agreement:
+    """Compare `actual` with the float64 `exact` value (fused) or the `rounded` HF-order reference."""
+    dtype = actual.dtype
+    a = actual.detach().to("cpu", torch.float64)
+    if rounding == "fused":
+        want, limit = exact.detach().to("cpu", torch.float64), tol.fused_ulp
+    else:
+        want, limit = rounded.detach().to("cpu", torch.float64), tol.hf_ulp
+    if a.shape != want.shape:
+        return Agreement(False, f"{name}: shape {tuple(a.shape)} != expected {tuple(want.shape)}", float("inf"))
+    err = (a - want).abs() / ulp(want, dtype)
+    err = torch.where(torch.isnan(a) | torch.isnan(want), torch.full_like(err, float("inf")), err)
+    bad = err > limit
+    problems = []
+    if bad.any():
+        idx = bad.nonzero()[:_SHOW].tolist()
+        shown = ", ".join(
+            f"{tuple(i)}: got {a[tuple(i)].item():.8g} want {want[tuple(i)].item():.8g} ({err[tuple(i)].item():.3g} ulp)"
+            for i in idx
+        )
+        problems.append(f"{int(bad.sum())} of {bad.numel()} elements over {limit} ulp (first: {shown})")
+    if rounding == "hf" and a.numel():
+        share = (a == want).double().mean().item()
+        if share < tol.hf_exact_share:
+            problems.append(
+                f"only {share:.2%} of elements bit-identical to the HF-order reference (need {tol.hf_exact_share:.0%})"
+            )
+    max_ulp = err.max().item() if err.numel() else 0.0
+    if problems:
+        return Agreement(False, f"{name} [{dtype}, rounding={rounding}]: " + "; ".join(problems) + f"; max {max_ulp:.3g} ulp", max_ulp)
+    return Agreement(True, f"{name}: ok (max {max_ulp:.3g} ulp)", max_ulp)

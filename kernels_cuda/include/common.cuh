@@ -1,0 +1,131 @@
+// Shared device helpers for every kernel of the cookbook: dtype conversions, warp reductions,
+// 16-byte vector access and the RMSNorm arithmetic that all ops share. Torch-free, so nvcc
+// compiles every kernel header on a machine without a GPU or PyTorch.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace cookbook {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kVecBytes = 16;  // widest plain load/store per thread (LDG.128 / STG.128)
+
+// Activation dtypes, as the bindings name them (torch-free).
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// ---- conversions: float32 is the arithmetic type, T the storage type ------------------------
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// Round to nearest even into the storage type.
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// v rounded to T and back: the intermediate roundings of the Hugging Face order.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) { return to_float<T>(from_float<T>(v)); }
+
+// A weight element, stored in the activation dtype or in float32 (a runtime flag: weights are
+// read once per thread, so the branch costs nothing on the hot path).
+template <typename T>
+__device__ __forceinline__ float load_weight(const void* w, bool weight_is_fp32, int64_t i) {
+  return weight_is_fp32 ? static_cast<const float*>(w)[i] : to_float<T>(static_cast<const T*>(w)[i]);
+}
+
+// ---- reductions ------------------------------------------------------------------------------
+// Sum over aligned groups of kWidth lanes (kWidth = 32: the whole warp); every lane of the group
+// gets the result. All 32 lanes must execute the call.
+template <int kWidth = kWarpSize>
+__device__ __forceinline__ float warp_sum(float v) {
+  static_assert(kWidth >= 1 && kWidth <= kWarpSize && (kWidth & (kWidth - 1)) == 0,
+                "a shuffle group is a power of two no wider than a warp");
+#pragma unroll
+  for (int offset = kWidth / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+// ---- 16-byte vectors -------------------------------------------------------------------------
+template <typename T>
+struct alignas(kVecBytes) Vec {
+  static constexpr int kElems = kVecBytes / static_cast<int>(sizeof(T));
+  T v[kElems];
+};
+
+template <typename T>
+__device__ __forceinline__ Vec<T> load_vec(const T* p) {
+  Vec<T> out;
+  *reinterpret_cast<uint4*>(&out) = *reinterpret_cast<const uint4*>(p);
+  return out;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T>& in) {
+  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&in);
+}
+
+__host__ __device__ __forceinline__ bool is_aligned(const void* p, int bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// ---- the RMSNorm arithmetic ------------------------------------------------------------------
+// rstd = rsqrt(mean(x^2) + eps); 0 when that is 0 (eps = 0 and an all-zero row), so such a row
+// normalizes to zeros rather than NaN.
+__device__ __forceinline__ float rstd_from(float sum_sq, float width, float eps) {
+  const float denom = sum_sq / width + eps;
+  return denom > 0.f ? rsqrtf(denom) : 0.f;
+}
+
+// The effective weight (w + weight_offset) in float32; in the Hugging Face order it is rounded to
+// the activation dtype first.
+template <typename T, bool kHfRounding>
+__device__ __forceinline__ float effective_weight(float w, float weight_offset) {
+  const float w_eff = w + weight_offset;
+  return kHfRounding ? round_to<T>(w_eff) : w_eff;
+}
+
+// y = x * rstd * w_eff with one rounding (fused), or round(round(x * rstd) * w_eff) (HF order).
+template <typename T, bool kHfRounding>
+__device__ __forceinline__ T normalize(float x, float rstd, float w_eff) {
+  if constexpr (kHfRounding) {
+    return from_float<T>(round_to<T>(x * rstd) * w_eff);
+  } else {
+    return from_float<T>(x * rstd * w_eff);
+  }
+}
+
+// Host: a kernel's resident blocks per SM times the SMs: the size of a persistent grid. Cached
+// per device (one cache per kernel instantiation); the occupancy query is not free on a hot path.
+constexpr int kMaxDevices = 64;
+
+template <typename Kernel>
+inline int persistent_grid_limit(Kernel kernel, int threads_per_block) {
+  static int cached[kMaxDevices] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < kMaxDevices && cached[device] > 0) return cached[device];
+  int sms = 0, blocks_per_sm = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads_per_block, 0);
+  const int limit = sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
+  if (device < kMaxDevices) cached[device] = limit;
+  return limit;
+}
+
+}  // namespace cookbook

@@ -1,0 +1,280 @@
+// qk_norm: per-head RMSNorm of q and k, in place, both tensors in one launch.
+//
+//   per (token, head) row x of length head_dim, float32 accumulation:
+//   y = x * rsqrt(mean(x^2) + eps) * (w + weight_offset)
+//
+// Rows are numbered token-major: row r is token r / (Hq + Hk), head r % (Hq + Hk); heads below Hq
+// are q, the rest k. Neighbouring rows are neighbouring memory in a fused qkv tensor.
+//
+// Versions (cookbook/registry.py is the list; tests/test_cuda_sources.py keeps these lines and
+// the registry's leads identical):
+// v1: one thread per (token, head) row, the naive port: a warp's loads are head_dim elements apart (uncoalesced)
+// v2: one warp per (token, head) with a shuffle reduction: lanes read neighbouring elements (coalesced) - removes v1's scattered loads
+// v3: 16-byte vectors held in registers, lanes sized to the head, q and k on a persistent grid with the weights loaded once per thread - removes v2's second read and narrow loads
+//
+// Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
+#pragma once
+
+#include "include/common.cuh"
+
+namespace cookbook::qk_norm {
+
+struct Params {
+  void* q;                 // [T, Hq, D], element strides below, last dim contiguous
+  void* k;                 // [T, Hk, D]
+  const void* q_weight;    // [D], activation dtype or float32
+  const void* k_weight;    // [D]
+  bool weight_is_fp32;
+  int64_t num_tokens;
+  int num_q_heads;
+  int num_kv_heads;
+  int head_dim;
+  int64_t q_token_stride, q_head_stride;  // in elements
+  int64_t k_token_stride, k_head_stride;
+  float eps;
+  float weight_offset;
+};
+
+// One (token, head) row: where it lives and which weight it uses.
+template <typename T>
+struct Row {
+  T* x;
+  const void* w;
+  bool is_q;
+};
+
+template <typename T>
+__device__ __forceinline__ Row<T> locate_row(const Params& p, int64_t row) {
+  const int heads = p.num_q_heads + p.num_kv_heads;
+  const int64_t token = row / heads;
+  const int head = static_cast<int>(row - token * heads);
+  if (head < p.num_q_heads) {
+    return {static_cast<T*>(p.q) + token * p.q_token_stride + head * p.q_head_stride, p.q_weight, true};
+  }
+  const int kv_head = head - p.num_q_heads;
+  return {static_cast<T*>(p.k) + token * p.k_token_stride + kv_head * p.k_head_stride, p.k_weight, false};
+}
+
+inline int64_t total_rows(const Params& p) {
+  return p.num_tokens * (p.num_q_heads + p.num_kv_heads);
+}
+
+// ------------------------------------------------------------------------------------------
+// v1: one thread per (token, head) row, the naive port: a warp's loads are head_dim elements apart (uncoalesced)
+// grid.x: ceil(rows / kV1Threads); thread -> row. Two passes over the row (sum, then write).
+// ------------------------------------------------------------------------------------------
+constexpr int kV1Threads = 256;
+
+template <typename T, bool kHfRounding>
+__global__ void __launch_bounds__(kV1Threads) qk_norm_v1_kernel(Params p, int64_t rows) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (row >= rows) return;  // no barrier or shuffle below: an early exit is safe
+  const Row<T> r = locate_row<T>(p, row);
+  float sum_sq = 0.f;
+  for (int d = 0; d < p.head_dim; ++d) {
+    const float x = to_float<T>(r.x[d]);
+    sum_sq += x * x;
+  }
+  const float rstd = rstd_from(sum_sq, static_cast<float>(p.head_dim), p.eps);
+  for (int d = 0; d < p.head_dim; ++d) {
+    const float w = effective_weight<T, kHfRounding>(load_weight<T>(r.w, p.weight_is_fp32, d), p.weight_offset);
+    r.x[d] = normalize<T, kHfRounding>(to_float<T>(r.x[d]), rstd, w);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// v2: one warp per (token, head) with a shuffle reduction: lanes read neighbouring elements (coalesced) - removes v1's scattered loads
+// grid.x: ceil(rows / kV2WarpsPerBlock); warp -> row, lane -> elements lane, lane + 32, ...
+// Works for any head_dim and alignment: it is also v3's general path.
+// ------------------------------------------------------------------------------------------
+constexpr int kV2WarpsPerBlock = 8;
+constexpr int kV2Threads = kV2WarpsPerBlock * kWarpSize;
+
+template <typename T, bool kHfRounding>
+__global__ void __launch_bounds__(kV2Threads) qk_norm_v2_kernel(Params p, int64_t rows) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kV2WarpsPerBlock) + threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  if (row >= rows) return;  // uniform per warp: the shuffles below always see a full warp
+  const Row<T> r = locate_row<T>(p, row);
+  float sum_sq = 0.f;
+  for (int d = lane; d < p.head_dim; d += kWarpSize) {
+    const float x = to_float<T>(r.x[d]);
+    sum_sq += x * x;
+  }
+  const float rstd = rstd_from(warp_sum(sum_sq), static_cast<float>(p.head_dim), p.eps);
+  for (int d = lane; d < p.head_dim; d += kWarpSize) {  // second read: served by L1/L2
+    const float w = effective_weight<T, kHfRounding>(load_weight<T>(r.w, p.weight_is_fp32, d), p.weight_offset);
+    r.x[d] = normalize<T, kHfRounding>(to_float<T>(r.x[d]), rstd, w);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// v3: 16-byte vectors held in registers, lanes sized to the head, q and k on a persistent grid with the weights loaded once per thread - removes v2's second read and narrow loads
+// A group of kThreadsPerHead lanes owns one row; each lane holds kVecsPerThread 16-byte vectors
+// of it in registers, so x is read once and written once. grid.x: min(row groups, resident
+// blocks); blocks stride over rows, and since a lane always covers the same columns, its slice
+// of both weights is loaded once, before the loop.
+// ------------------------------------------------------------------------------------------
+template <typename T, int kHeadDim>
+struct V3Traits {
+  static constexpr int kVecElems = Vec<T>::kElems;                    // 4 fp32, 8 fp16/bf16
+  static constexpr int kVecsPerHead = kHeadDim / kVecElems;
+  static constexpr int kThreadsPerHead = kVecsPerHead < kWarpSize ? kVecsPerHead : kWarpSize;
+  static constexpr int kVecsPerThread = kVecsPerHead / kThreadsPerHead;
+  static constexpr int kElemsPerThread = kVecsPerThread * kVecElems;
+  static constexpr int kThreadsPerBlock = 256;
+  static constexpr int kHeadsPerBlock = kThreadsPerBlock / kThreadsPerHead;
+
+  static_assert(kHeadDim % kVecElems == 0, "a head is a whole number of 16-byte vectors");
+  static_assert(kVecsPerHead % kThreadsPerHead == 0, "every lane of a head holds as many vectors");
+  static_assert(kWarpSize % kThreadsPerHead == 0, "heads tile a warp, so a shuffle group never spans two warps");
+  static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
+};
+
+template <typename T, int kHeadDim, bool kHfRounding>
+__global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
+    qk_norm_v3_kernel(Params p, int64_t rows) {
+  using Tr = V3Traits<T, kHeadDim>;
+  const int lane = threadIdx.x % Tr::kThreadsPerHead;  // lane within its head group
+  const int head_in_block = threadIdx.x / Tr::kThreadsPerHead;
+
+  // Column of element j of vector i of this lane: vectors interleave across the group's lanes
+  // so that one load instruction of the group covers contiguous memory.
+  auto column = [&](int i, int j) { return (i * Tr::kThreadsPerHead + lane) * Tr::kVecElems + j; };
+
+  float w_q[Tr::kElemsPerThread], w_k[Tr::kElemsPerThread];
+#pragma unroll
+  for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+#pragma unroll
+    for (int j = 0; j < Tr::kVecElems; ++j) {
+      const int e = i * Tr::kVecElems + j;
+      w_q[e] = effective_weight<T, kHfRounding>(load_weight<T>(p.q_weight, p.weight_is_fp32, column(i, j)), p.weight_offset);
+      w_k[e] = effective_weight<T, kHfRounding>(load_weight<T>(p.k_weight, p.weight_is_fp32, column(i, j)), p.weight_offset);
+    }
+  }
+
+  // `first` is uniform across the block, so every lane runs the same iterations and the group
+  // shuffles never miss a lane; rows past the end compute on zeros and store nothing.
+  const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kHeadsPerBlock;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kHeadsPerBlock; first < rows; first += row_stride) {
+    const int64_t row = first + head_in_block;
+    const bool active = row < rows;
+    const Row<T> r = active ? locate_row<T>(p, row) : Row<T>{nullptr, nullptr, false};
+
+    Vec<T> x[Tr::kVecsPerThread];
+#pragma unroll
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+      if (active) {
+        x[i] = load_vec<T>(r.x + column(i, 0));
+      } else {
+#pragma unroll
+        for (int j = 0; j < Tr::kVecElems; ++j) x[i].v[j] = from_float<T>(0.f);
+      }
+    }
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+#pragma unroll
+      for (int j = 0; j < Tr::kVecElems; ++j) {
+        const float xf = to_float<T>(x[i].v[j]);
+        sum_sq += xf * xf;
+      }
+    }
+    const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
+    if (active) {
+#pragma unroll
+      for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+        Vec<T> y;
+#pragma unroll
+        for (int j = 0; j < Tr::kVecElems; ++j) {
+          const int e = i * Tr::kVecElems + j;
+          y.v[j] = normalize<T, kHfRounding>(to_float<T>(x[i].v[j]), rstd, r.is_q ? w_q[e] : w_k[e]);
+        }
+        store_vec<T>(r.x + column(i, 0), y);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Launchers (host). `launch` is what the binding calls.
+// ------------------------------------------------------------------------------------------
+template <typename T, bool kHfRounding>
+inline void launch_v1(const Params& p, int64_t rows, cudaStream_t stream) {
+  const int64_t blocks = (rows + kV1Threads - 1) / kV1Threads;
+  qk_norm_v1_kernel<T, kHfRounding><<<static_cast<unsigned>(blocks), kV1Threads, 0, stream>>>(p, rows);
+}
+
+template <typename T, bool kHfRounding>
+inline void launch_v2(const Params& p, int64_t rows, cudaStream_t stream) {
+  const int64_t blocks = (rows + kV2WarpsPerBlock - 1) / kV2WarpsPerBlock;
+  qk_norm_v2_kernel<T, kHfRounding><<<static_cast<unsigned>(blocks), kV2Threads, 0, stream>>>(p, rows);
+}
+
+template <typename T, int kHeadDim, bool kHfRounding>
+inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
+  using Tr = V3Traits<T, kHeadDim>;
+  const auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding>;
+  const int64_t needed = (rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock;
+  const int64_t resident = persistent_grid_limit(kernel, Tr::kThreadsPerBlock);
+  const int64_t blocks = needed < resident ? needed : resident;
+  kernel<<<static_cast<unsigned>(blocks), Tr::kThreadsPerBlock, 0, stream>>>(p, rows);
+}
+
+// The 16-byte path needs both tensors' rows to start on 16-byte boundaries.
+template <typename T>
+inline bool vector_aligned(const Params& p) {
+  constexpr int kVecElems = Vec<T>::kElems;
+  return is_aligned(p.q, kVecBytes) && is_aligned(p.k, kVecBytes) && p.q_token_stride % kVecElems == 0 &&
+         p.q_head_stride % kVecElems == 0 && p.k_token_stride % kVecElems == 0 && p.k_head_stride % kVecElems == 0;
+}
+
+template <typename T, bool kHfRounding>
+inline void launch_v3(const Params& p, int64_t rows, cudaStream_t stream) {
+  if (vector_aligned<T>(p)) {
+    switch (p.head_dim) {
+      case 64: return launch_v3_fixed<T, 64, kHfRounding>(p, rows, stream);
+      case 128: return launch_v3_fixed<T, 128, kHfRounding>(p, rows, stream);
+      case 256: return launch_v3_fixed<T, 256, kHfRounding>(p, rows, stream);
+      case 512: return launch_v3_fixed<T, 512, kHfRounding>(p, rows, stream);
+      case 1024: return launch_v3_fixed<T, 1024, kHfRounding>(p, rows, stream);
+      default: break;
+    }
+  }
+  launch_v2<T, kHfRounding>(p, rows, stream);  // general path: any even head_dim, any alignment
+}
+
+template <typename T, bool kHfRounding>
+inline void launch_version(const Params& p, int version, cudaStream_t stream) {
+  const int64_t rows = total_rows(p);
+  switch (version) {
+    case 1: return launch_v1<T, kHfRounding>(p, rows, stream);
+    case 2: return launch_v2<T, kHfRounding>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding>(p, rows, stream);
+  }
+}
+
+template <typename T>
+inline void launch_rounding(const Params& p, bool hf_rounding, int version, cudaStream_t stream) {
+  if (hf_rounding) {
+    launch_version<T, true>(p, version, stream);
+  } else {
+    launch_version<T, false>(p, version, stream);
+  }
+}
+
+constexpr int kNumVersions = 3;
+
+// Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
+inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
+  if (version < 1 || version > kNumVersions) return cudaErrorInvalidValue;
+  if (total_rows(p) == 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::kFloat32: launch_rounding<float>(p, hf_rounding, version, stream); break;
+    case DType::kFloat16: launch_rounding<__half>(p, hf_rounding, version, stream); break;
+    case DType::kBFloat16: launch_rounding<__nv_bfloat16>(p, hf_rounding, version, stream); break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace cookbook::qk_norm

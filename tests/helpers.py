@@ -1,0 +1,48 @@
+"""What the op tests share: the device under test, runnable implementations, run-and-compare."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cookbook import registry
+from cookbook.testing import agreement
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+KERNEL_LEVELS = ("reference", "numba", "cuda")
+
+
+def kernel_impls(op):
+    """Every registered implementation except peers, as pytest params named after them."""
+    return [pytest.param(impl, id=impl.name) for impl in registry.implementations(op, KERNEL_LEVELS)]
+
+
+def require(impl, device=DEVICE):
+    reason = impl.unavailable(device)
+    if reason:
+        pytest.skip(f"{impl.name}: {reason}")
+
+
+def fields(args):
+    """A checked-args dataclass as the positional arguments of an implementation (no copies)."""
+    return [getattr(args, f.name) for f in dataclasses.fields(args)]
+
+
+def clone_inputs(inputs):
+    """Copies of the inputs, taken before an in-place run (the expected values read them)."""
+    return {name: t.clone() for name, t in inputs.items()}
+
+
+def run_and_compare(op, impl, inputs, *, eps, weight_offset, rounding):
+    """Run `impl` in place on `inputs` and assert every output agrees with the contract."""
+    contract = registry.contract(op)
+    expected = contract.expected(clone_inputs(inputs), eps, weight_offset, rounding)
+    args = contract.check_inputs(**inputs, eps=eps, weight_offset=weight_offset, rounding=rounding)
+    impl.fn(*fields(args))
+    for out, (exact, rounded) in expected.items():
+        actual = inputs[out]
+        result = agreement(f"{impl.name}:{out}", actual, exact, rounded, rounding, contract.TOLERANCES[actual.dtype])
+        assert result.ok, result.message

@@ -1,0 +1,119 @@
+"""qk_norm on a real GPU: torch.compile, CUDA graphs, opcheck, 64-bit strides, compute-sanitizer.
+
+Skipped on machines without a CUDA GPU (CI); run on an H100/H200 through the device tool."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cookbook
+from cookbook import registry
+from cookbook.ops import qk_norm as contract
+from helpers import ON_GPU, clone_inputs, kernel_impls, require, run_and_compare
+
+pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+OP = "qk_norm"
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("shape", [(8192, 8, 1, 128), (333, 5, 3, 256), (7, 3, 1, 1024), (64, 4, 2, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_shapes_at_scale(impl, shape, dtype):
+    require(impl)
+    inputs = contract.make_inputs(*shape, dtype, "cuda", seed=11, fused_qkv=True)
+    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding="fused")
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+def test_token_stride_beyond_int32(impl):
+    """A row stride over 2^31 elements must not overflow the kernels' index arithmetic."""
+    require(impl)
+    heads, head_dim = 2, 64
+    stride = 2**31 + 8 * head_dim  # elements; keeps 16-byte alignment so v3 takes its vector path
+    try:
+        storage = torch.zeros(stride + heads * head_dim, dtype=torch.bfloat16, device="cuda")
+    except torch.OutOfMemoryError:
+        pytest.skip("needs about 4 GiB of GPU memory")
+    q = storage.as_strided((2, heads, head_dim), (stride, head_dim, 1))
+    q.copy_(torch.randn(2, heads, head_dim, device="cuda"))
+    k = torch.randn(2, 1, head_dim, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(head_dim, device="cuda", dtype=torch.bfloat16) + 0.5
+    run_and_compare(OP, impl, dict(q=q, k=k, q_weight=w, k_weight=w), eps=1e-6, weight_offset=0.0, rounding="fused")
+    del storage, q
+    torch.cuda.empty_cache()
+
+
+def test_torch_compile_fullgraph():
+    inputs = contract.make_inputs(64, 8, 2, 128, torch.bfloat16, "cuda", seed=2, fused_qkv=True)
+    eager = clone_inputs(inputs)
+    cookbook.qk_norm(**eager, backend="cuda")
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, q_weight, k_weight):
+        return cookbook.qk_norm(q, k, q_weight, k_weight, backend="cuda")
+
+    step(**inputs)
+    assert torch.equal(inputs["q"], eager["q"]) and torch.equal(inputs["k"], eager["k"])
+
+
+def test_cuda_graph_capture_and_replay():
+    inputs = contract.make_inputs(256, 8, 2, 128, torch.bfloat16, "cuda", seed=3, fused_qkv=True)
+    static = clone_inputs(inputs)
+    cookbook.qk_norm(**clone_inputs(inputs), backend="cuda")  # build and load outside capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        cookbook.qk_norm(**static, backend="cuda")
+    torch.cuda.current_stream().wait_stream(stream)
+    for name in ("q", "k"):
+        static[name].copy_(inputs[name])
+    graph.replay()
+    expected = clone_inputs(inputs)
+    cookbook.qk_norm(**expected, backend="cuda")
+    torch.cuda.synchronize()
+    assert torch.equal(static["q"], expected["q"]) and torch.equal(static["k"], expected["k"])
+
+
+def test_opcheck():
+    from cookbook import cuda
+
+    cuda.load(OP)
+    inputs = contract.make_inputs(16, 4, 2, 128, torch.bfloat16, "cuda", seed=4)
+    args = (inputs["q"], inputs["k"], inputs["q_weight"], inputs["k_weight"], 1e-6, 0.0, False, 3)
+    torch.library.opcheck(torch.ops.cookbook.qk_norm.default, args)
+
+
+def test_auto_backend_is_the_last_cuda_version():
+    assert registry.resolve(OP, "auto", "cuda") is registry.latest(OP, "cuda")
+
+
+SANITIZED = """
+import torch, cookbook
+from cookbook.ops import qk_norm as contract
+for version in (1, 2, 3):
+    for fused in (False, True):
+        x = contract.make_inputs(5, 3, 1, 128, torch.bfloat16, "cuda", seed=version, fused_qkv=fused)
+        cookbook.cuda.qk_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
+x = contract.make_inputs(3, 2, 1, 96, torch.float16, "cuda", fused_qkv=True)
+cookbook.qk_norm(**x, backend="cuda", rounding="hf")
+torch.cuda.synchronize()
+print("sanitized run done")
+"""
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
+def test_compute_sanitizer_memcheck():
+    from cookbook import cuda
+
+    cuda.load(OP)  # build outside the sanitizer (much faster), the child reuses the cache
+    run = subprocess.run(
+        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", sys.executable, "-c", SANITIZED],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0 and "ERROR SUMMARY: 0 errors" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
