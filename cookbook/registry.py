@@ -81,16 +81,38 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _ref("qk_norm", "cookbook.ops.qk_norm:reference"),
         Impl("qk_norm", "numba_v1", "numba", 1, "kernels_numba.qk_norm:qk_norm",
              "one warp per (token, head): lanes read neighbouring elements, a warp-shuffle sum of squares, a second pass writes"),
+        Impl("qk_norm", "numba_v2", "numba", 2, "kernels_numba.qk_norm:qk_norm_v2",
+             "head_dim fixed at build time: the row stays in registers (one read) and the unrolled loads are in flight together - removes v1's second read and one-load-at-a-time latency"),
         _cuda("qk_norm", 1, "one thread per (token, head) row, the naive port: a warp's loads are head_dim elements apart (uncoalesced)"),
         _cuda("qk_norm", 2, "one warp per (token, head) with a shuffle reduction: lanes read neighbouring elements (coalesced) - removes v1's scattered loads"),
         _cuda("qk_norm", 3, "16-byte vectors held in registers, lanes sized to the head, q and k on a persistent grid with the weights loaded once per thread - removes v2's second read and narrow loads"),
         Impl("qk_norm", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
     ],
+    "cross_head_norm": [
+        _ref("cross_head_norm", "cookbook.ops.cross_head_norm:reference"),
+        Impl("cross_head_norm", "numba_v1", "numba", 1, "kernels_numba.cross_head_norm:cross_head_norm",
+             "one block per (token, tensor), q and k on blockIdx.y: threads stride over the row, a block-wide sum of squares, a second pass writes"),
+        _cuda("cross_head_norm", 1, "one CTA per token normalizes q and k together: two sums of squares, both weights live, a two-value block reduction"),
+        _cuda("cross_head_norm", 2, "grid (tokens, 2), blockIdx.y picks q or k: one sum and one weight per CTA - removes v1's extra live registers (higher occupancy) and doubles the CTAs"),
+        _cuda("cross_head_norm", 3, "16-byte vectors with the row held in registers, block size derived from the hidden size - removes v2's second read and narrow loads"),
+        Impl("cross_head_norm", "torch_compile", "peer", 0, "cookbook.peers:cross_head_norm_compiled",
+             "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
+    ],
+    "qk_norm_rope": [
+        _ref("qk_norm_rope", "cookbook.ops.qk_norm_rope:reference"),
+        Impl("qk_norm_rope", "numba_v1", "numba", 1, "kernels_numba.qk_norm_rope:qk_norm_rope",
+             "one warp per (token, head): the row read once into registers, a shuffle sum of squares, the rope partner fetched from its lane by a warp shuffle, one write"),
+        _cuda("qk_norm_rope", 1, "the unfused pair engines started from: a warp-per-row norm kernel writes float32 rows, then a separate rope kernel rotates them (two launches, an extra round trip through memory)"),
+        _cuda("qk_norm_rope", 2, "fused, one warp per (token, head): norm and rope in one launch, each lane owns whole (a, b) pairs so no partner exchange is needed - removes v1's second launch and round trip"),
+        _cuda("qk_norm_rope", 3, "16-byte vectors held in registers, lanes sized to the head, the NeoX partner fetched by a warp shuffle, cos/sin read once per token and reused across its heads, persistent grid - removes v2's second read, narrow loads and per-head cache reads"),
+        Impl("qk_norm_rope", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_rope_compiled",
+             "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
+    ],
 }
 
 # The op name -> its contract module.
-CONTRACTS = {"qk_norm": "cookbook.ops.qk_norm"}
+CONTRACTS = {"qk_norm_rope": "cookbook.ops.qk_norm_rope", "qk_norm": "cookbook.ops.qk_norm", "cross_head_norm": "cookbook.ops.cross_head_norm"}
 
 
 def ops() -> list[str]:

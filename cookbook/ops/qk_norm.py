@@ -172,7 +172,7 @@ INPUT_KINDS = ("normal", "constant", "zero_rows", "tiny", "huge")
 
 # "huge" and "tiny" row scales per dtype: squares overflow / underflow a float16 accumulator but
 # stay well inside float32's range, so a float32-accumulating kernel must get them right.
-_SCALE = {
+INPUT_SCALES = {
     "tiny": {torch.float16: 1e-4, torch.bfloat16: 1e-15, torch.float32: 1e-15},
     "huge": {torch.float16: 2e3, torch.bfloat16: 1e15, torch.float32: 1e15},
 }
@@ -204,8 +204,8 @@ def make_inputs(
         elif kind == "zero_rows":
             keep = torch.rand(shape[:-1] + (1,), generator=gen) < 0.5
             x = x * keep
-        elif kind in _SCALE:
-            x = x * _SCALE[kind][dtype]
+        elif kind in INPUT_SCALES:
+            x = x * INPUT_SCALES[kind][dtype]
         return x
 
     if fused_qkv:
@@ -224,8 +224,11 @@ def make_inputs(
 
 
 TOLERANCES = {
-    torch.bfloat16: Tolerance(fused_ulp=0.52, hf_ulp=1.01, hf_exact_share=0.99),
-    torch.float16: Tolerance(fused_ulp=0.52, hf_ulp=1.01, hf_exact_share=0.99),
+    # hf: a kernel's float32 rstd may differ from the reference's by an ulp (another summation
+    # order); near a tie that moves the rounded x * rstd by one ulp, and the weight product and
+    # second rounding can carry it to two. The 99 % bit-identical rule still separates the orders.
+    torch.bfloat16: Tolerance(fused_ulp=0.52, hf_ulp=2.01, hf_exact_share=0.99),
+    torch.float16: Tolerance(fused_ulp=0.52, hf_ulp=2.01, hf_exact_share=0.99),
     # float32 output: the float32 arithmetic itself (sum of up to 1024 squares, rsqrtf) is the
     # error; rounding modes coincide.
     torch.float32: Tolerance(fused_ulp=64.0, hf_ulp=64.0, hf_exact_share=0.0),

@@ -1,0 +1,339 @@
+"""Shared device helpers for the Numba kernels: the Numba twin of `kernels_cuda/include/`.
+
+* `warp_sum(v)`: the sum of `v` over the 32 lanes of a warp, returned to every lane.
+* `rsqrt(v)`: 1 / sqrt(v) in float32, computed as torch.rsqrt computes it on the same device.
+* Storage codecs (`FP32`, `FP16`, `BF16`): how a kernel reads an element as float32 and writes a
+  float32 back rounded to the storage dtype, so one kernel source serves every dtype.
+
+Each helper is chosen once, at import, for where the kernels run: a GPU, or Numba's CUDA
+simulator (`NUMBA_ENABLE_CUDASIM=1`, see `kernels_numba.SIMULATOR`). Kernels just call them.
+"""
+
+from kernels_numba import _compat  # noqa: F401  (before Numba compiles anything)
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from numba import config, cuda
+from numba.cuda import libdevice
+
+from kernels_numba import SIMULATOR
+
+if SIMULATOR != bool(config.ENABLE_CUDASIM):
+    raise RuntimeError(
+        "NUMBA_ENABLE_CUDASIM changed after Numba was imported: set it before the first `import numba`"
+    )
+
+WARP_SIZE = 32
+FULL_WARP_MASK = 0xFFFFFFFF  # every lane takes part in the shuffle
+MAX_THREADS_PER_BLOCK = 1024  # CUDA's limit; sizes the simulator's scratch
+
+
+# --------------------------------------------------------------------------------------------
+# warp_sum
+# --------------------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _warp_sum_shuffle(v):
+    """GPU: butterfly of `shfl_xor_sync` (offsets 16, 8, 4, 2, 1); after it every lane holds the sum."""
+    offset = WARP_SIZE // 2
+    while offset > 0:
+        v += cuda.shfl_xor_sync(FULL_WARP_MASK, v, offset)
+        offset //= 2
+    return v
+
+
+@cuda.jit(device=True)
+def _warp_sum_shared(v):
+    """Simulator (it has no warp shuffles): lanes meet in shared memory instead of registers.
+
+    Each thread writes `v` at its `threadIdx.x`, waits for the block, then adds up the 32 entries
+    of its own warp. The second barrier keeps a fast warp from overwriting the scratch of the
+    next call while a slow one still reads it. The simulator keys a shared array by the line
+    that allocates it, so every call of this helper gets the same scratch.
+    """
+    assert cuda.blockDim.x % WARP_SIZE == 0 and cuda.blockDim.x <= MAX_THREADS_PER_BLOCK
+    scratch = cuda.shared.array(MAX_THREADS_PER_BLOCK, np.float32)
+    tid = cuda.threadIdx.x
+    scratch[tid] = v
+    cuda.syncthreads()
+    warp_first = tid - tid % WARP_SIZE
+    total = np.float32(0.0)
+    for i in range(warp_first, warp_first + WARP_SIZE):
+        total += scratch[i]
+    cuda.syncthreads()
+    return total
+
+
+# warp_sum(v): the sum of float32 `v` over the 32 lanes of the warp; every lane gets the result.
+# Rules for callers (kernels use 1-D blocks whose size is a multiple of 32):
+# * all 32 lanes of a warp call it together (a full-warp shuffle);
+# * under the simulator it contains `syncthreads`, so EVERY thread of the block must reach each
+#   call: kernels do not return early; idle warps carry an `active` flag and add 0. That is also
+#   good GPU practice (no barrier or shuffle inside a divergent branch).
+# The GPU adds in butterfly order, the simulator lane by lane: sums may differ in the last bit.
+warp_sum = _warp_sum_shared if SIMULATOR else _warp_sum_shuffle
+
+
+# --------------------------------------------------------------------------------------------
+# warp_shfl
+# --------------------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _warp_shfl_shuffle(v, src_lane):
+    """GPU: `shfl_sync`: this lane gets the `v` of lane `src_lane` of its warp."""
+    return cuda.shfl_sync(FULL_WARP_MASK, v, src_lane)
+
+
+@cuda.jit(device=True)
+def _warp_shfl_shared(v, src_lane):
+    """Simulator (no warp shuffles): every lane parks `v` in shared memory at its threadIdx.x,
+    waits for the block, then reads the slot of `src_lane` of its own warp. The second barrier
+    keeps a fast warp from overwriting the scratch while a slow one still reads it."""
+    assert cuda.blockDim.x % WARP_SIZE == 0 and cuda.blockDim.x <= MAX_THREADS_PER_BLOCK
+    scratch = cuda.shared.array(MAX_THREADS_PER_BLOCK, np.float32)
+    tid = cuda.threadIdx.x
+    scratch[tid] = v
+    cuda.syncthreads()
+    got = scratch[tid - tid % WARP_SIZE + src_lane]
+    cuda.syncthreads()
+    return got
+
+
+# warp_shfl(v, src_lane): float32 `v` of lane `src_lane` (0..31, chosen per lane) of the same
+# warp; `warp_shfl(v, lane ^ m)` is a butterfly exchange. Same rules as warp_sum: all 32 lanes
+# call it together and, under the simulator, every thread of the block reaches each call.
+warp_shfl = _warp_shfl_shared if SIMULATOR else _warp_shfl_shuffle
+
+
+# --------------------------------------------------------------------------------------------
+# block_sum
+# --------------------------------------------------------------------------------------------
+MAX_WARPS_PER_BLOCK = MAX_THREADS_PER_BLOCK // WARP_SIZE
+
+
+@cuda.jit(device=True)
+def _block_sum_shuffle(v):
+    """GPU: each warp shuffles its sum, lane 0 parks it in shared memory, then every warp adds
+    the warps' partials itself (no broadcast barrier). The first barrier keeps this call's
+    writes from racing an earlier call's readers."""
+    partials = cuda.shared.array(MAX_WARPS_PER_BLOCK, np.float32)
+    lane = cuda.threadIdx.x % WARP_SIZE
+    v = _warp_sum_shuffle(v)
+    cuda.syncthreads()
+    if lane == 0:
+        partials[cuda.threadIdx.x // WARP_SIZE] = v
+    cuda.syncthreads()
+    partial = np.float32(0.0)
+    if lane < cuda.blockDim.x // WARP_SIZE:
+        partial = partials[lane]
+    return _warp_sum_shuffle(partial)
+
+
+@cuda.jit(device=True)
+def _block_sum_shared(v):
+    """Simulator (no shuffles): every thread writes `v` at its threadIdx.x, then adds up all of them."""
+    assert cuda.blockDim.x % WARP_SIZE == 0 and cuda.blockDim.x <= MAX_THREADS_PER_BLOCK
+    scratch = cuda.shared.array(MAX_THREADS_PER_BLOCK, np.float32)
+    scratch[cuda.threadIdx.x] = v
+    cuda.syncthreads()
+    total = np.float32(0.0)
+    for i in range(cuda.blockDim.x):
+        total += scratch[i]
+    cuda.syncthreads()
+    return total
+
+
+# block_sum(v): the sum of float32 `v` over every thread of a 1-D block (a multiple of 32
+# threads); every thread gets the result. It holds barriers on the GPU and under the simulator:
+# EVERY thread of the block must reach each call (no early return, no call under a divergent
+# branch). Summation order differs between the two: results may differ in the last bits.
+block_sum = _block_sum_shared if SIMULATOR else _block_sum_shuffle
+
+
+# --------------------------------------------------------------------------------------------
+# rsqrt
+# --------------------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _rsqrt_gpu(v):
+    """GPU: the hardware reciprocal square root (libdevice `__nv_rsqrtf`, within 2 ulp): what
+    CUDA C's `rsqrtf` and torch.rsqrt on a CUDA tensor compute."""
+    return libdevice.rsqrtf(v)
+
+
+@cuda.jit(device=True)
+def _rsqrt_sim(v):
+    """Simulator (no libdevice): 1 / sqrt(v), each step rounded to float32, as torch.rsqrt on a CPU."""
+    return np.float32(1.0) / np.float32(math.sqrt(v))
+
+
+# rsqrt(v): float32 1 / sqrt(v). Matching torch on the same device matters for rounding="hf":
+# one float32 ulp of rstd can move the rounded intermediate by a bf16/fp16 ulp.
+rsqrt = _rsqrt_sim if SIMULATOR else _rsqrt_gpu
+
+
+# --------------------------------------------------------------------------------------------
+# Bit casts between float32 and its 32 bits (held as an int in [0, 2**32)).
+# --------------------------------------------------------------------------------------------
+F32_BITS_MASK = 0xFFFFFFFF
+
+
+@cuda.jit(device=True)
+def _float_bits_gpu(v):
+    """The bits of float32 `v` (libdevice `__nv_float_as_int`), as an int64 in [0, 2**32)."""
+    return np.int64(libdevice.float_as_int(np.float32(v))) & F32_BITS_MASK
+
+
+@cuda.jit(device=True)
+def _bits_float_gpu(bits):
+    """The float32 whose bits are `bits` (libdevice `__nv_int_as_float`)."""
+    return libdevice.int_as_float(np.int32(bits))  # int32 keeps the low 32 bits
+
+
+@cuda.jit(device=True)
+def _float_bits_sim(v):
+    """Simulator (no libdevice): the same bit cast through a NumPy view."""
+    return int(np.float32(v).view(np.uint32))
+
+
+@cuda.jit(device=True)
+def _bits_float_sim(bits):
+    """Simulator (no libdevice): the same bit cast through a NumPy view."""
+    return np.uint32(bits).view(np.float32)
+
+
+float_bits = _float_bits_sim if SIMULATOR else _float_bits_gpu
+bits_float = _bits_float_sim if SIMULATOR else _bits_float_gpu
+
+
+# --------------------------------------------------------------------------------------------
+# Storage codecs. A codec is three device functions:
+#   decode(e)   -> float32   a stored element, read as float32 (exact)
+#   encode(v)   -> element   float32 `v` rounded to nearest even, in the storage type
+#   round_to(v) -> float32   float32 `v` rounded to the storage dtype and read back
+#                            (the Hugging Face order rounds intermediates this way)
+# --------------------------------------------------------------------------------------------
+class Codec(NamedTuple):
+    name: str
+    decode: object
+    encode: object
+    round_to: object
+
+
+@cuda.jit(device=True)
+def _as_float32(v):
+    """float32 storage: nothing to convert."""
+    return np.float32(v)
+
+
+FP32 = Codec("float32", _as_float32, _as_float32, _as_float32)
+
+
+@cuda.jit(device=True)
+def _fp16_encode(v):
+    """float32 -> float16, round to nearest even."""
+    return np.float16(v)
+
+
+@cuda.jit(device=True)
+def _fp16_round_to(v):
+    """float32 rounded to float16 and back."""
+    return np.float32(np.float16(v))
+
+
+FP16 = Codec("float16", _as_float32, _fp16_encode, _fp16_round_to)
+
+
+# bfloat16 is the top half of a float32: 8 exponent bits, 7 mantissa bits.
+BF16_SHIFT = 16  # float32 bits dropped by bfloat16
+BF16_HALF_ULP = (1 << (BF16_SHIFT - 1)) - 1  # 0x7FFF: add, then truncate = round to nearest
+BF16_BITS_MASK = (1 << BF16_SHIFT) - 1  # 0xFFFF
+BF16_SIGN_BIT = 1 << (BF16_SHIFT - 1)  # 0x8000
+BF16_QUIET_NAN = 0x7FC0  # what torch's scalar conversion writes for any NaN
+
+
+@cuda.jit(device=True)
+def _bf16_bits(v):
+    """float32 -> the 16 bits of bfloat16 (an int in [0, 0xFFFF]), round to nearest even.
+
+    Adding 0x7FFF plus the lowest kept bit, then dropping 16 bits, rounds halfway cases to the
+    even neighbour; overflow carries into the exponent and gives inf, as it should. A NaN could
+    round to inf that way, so NaN returns a quiet NaN instead.
+    """
+    if v != v:
+        return BF16_QUIET_NAN
+    bits = float_bits(v)
+    lowest_kept = (bits >> BF16_SHIFT) & 1
+    return (bits + BF16_HALF_ULP + lowest_kept) >> BF16_SHIFT
+
+
+@cuda.jit(device=True)
+def _bf16_round_to(v):
+    """float32 rounded to bfloat16 and back: the bf16 bits, moved back to the top half."""
+    return bits_float(_bf16_bits(v) << BF16_SHIFT)
+
+
+@cuda.jit(device=True)
+def _bf16_decode_bits(e):
+    """GPU: a bfloat16 element, stored as int16 bits, read as float32 (exact)."""
+    return bits_float((np.int64(e) & BF16_BITS_MASK) << BF16_SHIFT)
+
+
+@cuda.jit(device=True)
+def _bf16_encode_bits(v):
+    """GPU: float32 -> bfloat16 bits as the int16 that holds them (0x8000.. are negative)."""
+    bits = _bf16_bits(v)
+    if bits >= BF16_SIGN_BIT:
+        bits -= BF16_BITS_MASK + 1
+    return np.int16(bits)
+
+
+# torch does not export bfloat16 through __cuda_array_interface__, so on a GPU a bf16 tensor
+# travels as its int16 bit view; the simulator gets a float32 copy (see kernels_numba.qk_norm),
+# whose writes must still be rounded to bf16.
+if SIMULATOR:
+    BF16 = Codec("bfloat16", _as_float32, _bf16_round_to, _bf16_round_to)
+else:
+    BF16 = Codec("bfloat16", _bf16_decode_bits, _bf16_encode_bits, _bf16_round_to)
+
+CODECS = {codec.name: codec for codec in (FP32, FP16, BF16)}
+
+
+# --------------------------------------------------------------------------------------------
+# Launching on torch tensors
+# --------------------------------------------------------------------------------------------
+CODEC_OF = {torch.float32: FP32, torch.float16: FP16, torch.bfloat16: BF16}
+
+
+def _launch_gpu(kernel, blocks, threads, tensors, scalars):
+    """Launch on torch's current stream with zero-copy views of `tensors` (CUDA tensors).
+"""
+    device = tensors[0].device
+    with cuda.gpus[device.index]:
+        stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
+        arrays = [cuda.as_cuda_array(_bits_if_bf16(t.detach()), sync=False) for t in tensors]
+        kernel[blocks, threads, stream](*arrays, *scalars)
+
+
+def _bits_if_bf16(t):
+    """bfloat16 has no __cuda_array_interface__ type: pass its bits as int16 (the BF16 codec reads them)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _launch_simulated(kernel, blocks, threads, tensors, scalars):
+    """Launch under the simulator on NumPy arrays of `tensors` (CPU tensors): the first two are
+    the outputs (q and k, written in place), the rest read-only inputs.
+
+    The simulator copies every array in and out and takes contiguous ones only, so strided views
+    (fused qkv) travel as contiguous copies, and bfloat16 (unknown to NumPy) as float32 copies
+    that the BF16 codec rounds to bfloat16 values; the outputs' copies are copied back."""
+    hosts = [t.detach().float() if t.dtype == torch.bfloat16 else t.detach().contiguous() for t in tensors]
+    kernel[blocks, threads](*(h.numpy() for h in hosts), *scalars)
+    for t, h in zip(tensors[:2], hosts[:2]):
+        if h.data_ptr() != t.data_ptr():
+            t.detach().copy_(h)
+
+
+# launch(kernel, blocks, threads, tensors, scalars): the first two tensors are the outputs
+# (written in place), the rest read-only inputs; scalars follow the arrays.
+launch = _launch_simulated if SIMULATOR else _launch_gpu

@@ -1,0 +1,133 @@
+"""The shared Numba device helpers: warp_sum and the storage codecs, against torch.
+
+Tiny launches: under the simulator (tests/conftest.py turns it on without a GPU) every CUDA
+thread is a Python thread. The same tests run as real kernels on a GPU.
+"""
+
+import numpy as np
+import pytest
+import torch
+from numba import cuda
+
+from kernels_numba import SIMULATOR
+from kernels_numba.helpers import BF16, FP16, WARP_SIZE, rsqrt, warp_sum
+
+WARPS = 2
+THREADS = WARPS * WARP_SIZE
+
+
+@cuda.jit
+def _warp_sum_kernel(v, out):
+    tid = cuda.threadIdx.x
+    out[tid] = warp_sum(v[tid])
+
+
+def test_warp_sum_gives_every_lane_its_warps_sum():
+    v = np.arange(THREADS, dtype=np.float32) ** 2  # small integers: every order sums exactly
+    v[WARP_SIZE:] *= -1
+    out = np.zeros_like(v)
+    _warp_sum_kernel[1, THREADS](v, out)
+    want = np.repeat(v.reshape(WARPS, WARP_SIZE).sum(axis=1), WARP_SIZE)
+    np.testing.assert_array_equal(out, want)
+
+
+def _make_round_kernel(round_to):
+    @cuda.jit
+    def kernel(v, out):
+        for i in range(cuda.threadIdx.x, v.shape[0], cuda.blockDim.x):
+            out[i] = round_to(v[i])
+
+    return kernel
+
+
+_ROUND_BF16 = _make_round_kernel(BF16.round_to)
+_ROUND_FP16 = _make_round_kernel(FP16.round_to)
+
+
+def _bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def _special_values(dtype):
+    """Ties both ways, overflow, subnormals, signed zeros, infinities, NaN."""
+    f32 = lambda bits: np.uint32(bits).view(np.float32)  # noqa: E731
+    if dtype == torch.bfloat16:
+        tie_to_even_down, tie_to_even_up = f32(0x3F808000), f32(0x3F818000)  # kept lsb 0 / 1
+        above_max = f32(0x7F7FFFFF)  # float32 max rounds up to inf in bf16
+        tiny = [f32(0x00000001), f32(0x00008000), f32(0x00018000), f32(0x80400000), 1e-40]
+    else:
+        tie_to_even_down, tie_to_even_up = 1 + 2.0**-11, 1 + 3 * 2.0**-11
+        above_max = 65520.0  # halfway past float16 max: rounds to inf
+        tiny = [2.0**-25, 3 * 2.0**-26, 2.0**-24, -(2.0**-26), 1e-9]
+    values = [tie_to_even_down, tie_to_even_up, above_max, 65519.0, 3.0e38, -3.4e38]
+    values += tiny + [0.0, -0.0, np.inf, -np.inf, np.nan, -1.5, 1.0 / 3.0]
+    return np.array(values, dtype=np.float32)
+
+
+def _test_values(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    random_bits = rng.integers(0, 2**32, size=512, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    scaled = (rng.standard_normal(256) * 10.0 ** rng.integers(-40, 38, size=256)).astype(np.float32)
+    return np.concatenate([_special_values(dtype), random_bits, scaled])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # -> inf, on purpose
+@pytest.mark.parametrize(
+    "dtype, kernel", [(torch.bfloat16, _ROUND_BF16), (torch.float16, _ROUND_FP16)], ids=["bf16", "fp16"]
+)
+def test_round_to_matches_torch(dtype, kernel):
+    v = _test_values(dtype)
+    out = np.zeros_like(v)
+    kernel[1, WARP_SIZE](v, out)
+    want = torch.from_numpy(v).to(dtype).float().numpy()
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(out), nan)
+    bad = np.nonzero(_bits(out[~nan]) != _bits(want[~nan]))[0]
+    assert bad.size == 0, "round_to differs from torch at " + ", ".join(
+        f"{v[~nan][i]!r}: got {out[~nan][i]!r} want {want[~nan][i]!r}" for i in bad[:5]
+    )
+
+
+@cuda.jit
+def _bf16_encode_decode_kernel(v, encoded, decoded):
+    for i in range(cuda.threadIdx.x, v.shape[0], cuda.blockDim.x):
+        encoded[i] = BF16.encode(v[i])
+        decoded[i] = BF16.decode(encoded[i])
+
+
+def test_bf16_encode_decode_match_torch():
+    """GPU: bf16 travels as int16 bits, so encode gives torch's bits. Simulator: bf16 travels as
+    a float32 copy, so encode gives the rounded float32."""
+    v = _test_values(torch.bfloat16, seed=1)
+    want = torch.from_numpy(v).to(torch.bfloat16)
+    if SIMULATOR:
+        encoded, want_encoded = np.zeros_like(v), want.float().numpy()
+    else:
+        encoded, want_encoded = np.zeros(v.shape, np.int16), want.view(torch.int16).numpy()
+    decoded = np.zeros_like(v)
+    _bf16_encode_decode_kernel[1, WARP_SIZE](v, encoded, decoded)
+    nan = torch.isnan(want).numpy()  # any NaN will do: torch itself writes 0x7FC0 or 0xFFFF
+    np.testing.assert_array_equal(np.isnan(decoded), nan)
+    np.testing.assert_array_equal(_bits(decoded[~nan]), _bits(want.float().numpy()[~nan]))
+    if SIMULATOR:
+        np.testing.assert_array_equal(_bits(encoded[~nan]), _bits(want_encoded[~nan]))
+    else:
+        np.testing.assert_array_equal(encoded[~nan], want_encoded[~nan])
+
+
+@cuda.jit
+def _rsqrt_kernel(v, out):
+    for i in range(cuda.threadIdx.x, v.shape[0], cuda.blockDim.x):
+        out[i] = rsqrt(v[i])
+
+
+def test_rsqrt_matches_torch_on_the_same_device():
+    """rounding="hf" needs rstd as the reference computes it: bit-identical to torch.rsqrt."""
+    rng = np.random.default_rng(2)
+    special = [1.0, 4.0, 2.0, 1e-38, 1e-30, 3e38, np.inf]
+    v = np.concatenate([special, rng.random(128) * 10.0 ** rng.integers(-30, 30, 128)]).astype(np.float32)
+    out = np.zeros_like(v)
+    _rsqrt_kernel[1, WARP_SIZE](v, out)
+    device = "cpu" if SIMULATOR else "cuda"
+    want = torch.rsqrt(torch.from_numpy(v).to(device)).cpu().numpy()
+    np.testing.assert_array_equal(_bits(out), _bits(want))
