@@ -5,7 +5,9 @@ registry (`cookbook.registry`) lists them all. Importing this package imports ne
 the CUDA extension: both load on first use.
 """
 
+from cookbook.ops.cross_head_norm import cross_head_norm
 from cookbook.ops.qk_norm import qk_norm
+from cookbook.ops.qk_norm_rope import qk_norm_rope
 
-__all__ = ["qk_norm"]
+__all__ = ["qk_norm", "cross_head_norm", "qk_norm_rope"]
 __version__ = "0.1.0"

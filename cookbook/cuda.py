@@ -117,3 +117,15 @@ def _register_fakes(op: str) -> None:
 def qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, *, version):
     load("qk_norm")
     torch.ops.cookbook.qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding == "hf", version)
+
+
+def cross_head_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, *, version):
+    load("cross_head_norm")
+    torch.ops.cookbook.cross_head_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding == "hf", version)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox, rope_dim,
+                 position_offset, *, version):
+    load("qk_norm_rope")
+    torch.ops.cookbook.qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, is_neox,
+                                    rope_dim, position_offset, rounding == "hf", version)

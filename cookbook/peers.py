@@ -14,3 +14,17 @@ def qk_norm_compiled():
     from cookbook.ops.qk_norm import reference
 
     return torch.compile(reference, fullgraph=True, dynamic=False)
+
+
+def cross_head_norm_compiled():
+    """torch.compile(fullgraph=True) of the cross_head_norm reference (in place, like ours)."""
+    from cookbook.ops.cross_head_norm import reference
+
+    return torch.compile(reference, fullgraph=True, dynamic=False)
+
+
+def qk_norm_rope_compiled():
+    """torch.compile(fullgraph=True) of the qk_norm_rope reference (in place, like ours)."""
+    from cookbook.ops.qk_norm_rope import reference
+
+    return torch.compile(reference, fullgraph=True, dynamic=False)

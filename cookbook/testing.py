@@ -33,6 +33,10 @@ class Tolerance:
     fused_ulp: float
     hf_ulp: float
     hf_exact_share: float
+    # Errors are counted in ulps of max(|value|, rms_floor * rms of the expected tensor). 0: of
+    # |value| alone. A rotation (qk_norm_rope) needs a floor: an output near 0 carries the
+    # absolute error of its O(rms) inputs.
+    rms_floor: float = 0.0
 
 
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -61,7 +65,10 @@ def agreement(name, actual, exact, rounded, rounding, tol: Tolerance) -> Agreeme
         want, limit = rounded.detach().to("cpu", torch.float64), tol.hf_ulp
     if a.shape != want.shape:
         return Agreement(False, f"{name}: shape {tuple(a.shape)} != expected {tuple(want.shape)}", float("inf"))
-    err = (a - want).abs() / ulp(want, dtype)
+    scale = want.abs()
+    if tol.rms_floor and want.numel():
+        scale = scale.clamp_min(tol.rms_floor * want.nan_to_num(0.0).square().mean().sqrt().item())
+    err = (a - want).abs() / ulp(scale, dtype)
     err = torch.where(torch.isnan(a) | torch.isnan(want), torch.full_like(err, float("inf")), err)
     bad = err > limit
     problems = []

@@ -61,6 +61,36 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Sums of kValues floats over the whole block, in place; every thread gets the results. Each warp
+// reduces with shuffles, lane 0 parks the warp's partials in shared memory, then every warp adds
+// the partials itself (no broadcast barrier). Contains barriers: EVERY thread of the block must
+// make the call (never under a divergent branch); blockDim.x a multiple of 32, at most 1024.
+constexpr int kMaxWarpsPerBlock = 1024 / kWarpSize;
+
+template <int kValues>
+__device__ __forceinline__ void block_sum(float (&v)[kValues]) {
+  __shared__ float partials[kValues][kMaxWarpsPerBlock];
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) v[i] = warp_sum(v[i]);
+  __syncthreads();  // an earlier call's readers are done with `partials`
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < kValues; ++i) partials[i][warp] = v[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) v[i] = warp_sum(lane < num_warps ? partials[i][lane] : 0.f);
+}
+
+__device__ __forceinline__ float block_sum(float v) {
+  float values[1] = {v};
+  block_sum<1>(values);
+  return values[0];
+}
+
 // ---- 16-byte vectors -------------------------------------------------------------------------
 template <typename T>
 struct alignas(kVecBytes) Vec {

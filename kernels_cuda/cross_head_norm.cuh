@@ -1,0 +1,282 @@
+// cross_head_norm: RMSNorm of q and k over their whole hidden size, in place, one launch.
+//
+//   per token row x of q (length q_hidden) and of k (length k_hidden), float32 accumulation:
+//   y = x * rsqrt(mean(x^2 over the row) + eps) * (w + weight_offset)
+//
+// A row is thousands of elements (heads * head_dim), so one CTA owns a row and the sum of squares
+// is a block reduction (block_sum in include/common.cuh). q_hidden and k_hidden may differ.
+//
+// Versions (cookbook/registry.py is the list; tests/test_cuda_sources.py keeps these lines and
+// the registry's leads identical):
+// v1: one CTA per token normalizes q and k together: two sums of squares, both weights live, a two-value block reduction
+// v2: grid (tokens, 2), blockIdx.y picks q or k: one sum and one weight per CTA - removes v1's extra live registers (higher occupancy) and doubles the CTAs
+// v3: 16-byte vectors with the row held in registers, block size derived from the hidden size - removes v2's second read and narrow loads
+//
+// Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
+#pragma once
+
+#include "include/common.cuh"
+
+namespace cookbook::cross_head_norm {
+
+struct Params {
+  void* q;                // [T, q_hidden], token stride below, last dim contiguous
+  void* k;                // [T, k_hidden]
+  const void* q_weight;   // [q_hidden], activation dtype or float32
+  const void* k_weight;   // [k_hidden]
+  bool q_weight_is_fp32;  // each weight's storage, independently
+  bool k_weight_is_fp32;
+  int64_t num_tokens;
+  int q_hidden;
+  int k_hidden;
+  int64_t q_token_stride, k_token_stride;  // in elements
+  float eps;
+  float weight_offset;
+};
+
+// Which tensor a CTA normalizes: blockIdx.y in v2 and v3, an index into v1's two sums.
+constexpr int kQ = 0;
+constexpr int kK = 1;
+constexpr int kNumTensors = 2;
+
+// One token's row of q or k: where it lives, its length and its weight.
+template <typename T>
+struct Row {
+  T* x;
+  int hidden;
+  const void* w;
+  bool w_is_fp32;
+};
+
+template <typename T>
+__device__ __forceinline__ Row<T> locate_row(const Params& p, int64_t token, int tensor) {
+  if (tensor == kQ) return {static_cast<T*>(p.q) + token * p.q_token_stride, p.q_hidden, p.q_weight, p.q_weight_is_fp32};
+  return {static_cast<T*>(p.k) + token * p.k_token_stride, p.k_hidden, p.k_weight, p.k_weight_is_fp32};
+}
+
+// The block sums below require whole warps and at most 1024 threads.
+template <int kThreads>
+constexpr bool valid_block_size = kThreads % kWarpSize == 0 && kThreads <= kMaxWarpsPerBlock * kWarpSize;
+
+// ------------------------------------------------------------------------------------------
+// v1: one CTA per token normalizes q and k together: two sums of squares, both weights live, a two-value block reduction
+// grid.x: token; thread -> columns threadIdx.x, + kV1Threads, ... of BOTH rows in one loop.
+// Two passes over memory (sum, then write); the second read is served by L1/L2.
+// ------------------------------------------------------------------------------------------
+constexpr int kV1Threads = 256;
+static_assert(valid_block_size<kV1Threads>, "v1: whole warps, at most 1024 threads");
+
+template <typename T, bool kHfRounding>
+__global__ void __launch_bounds__(kV1Threads) cross_head_norm_v1_kernel(Params p) {
+  const int64_t token = blockIdx.x;
+  T* const q = static_cast<T*>(p.q) + token * p.q_token_stride;
+  T* const k = static_cast<T*>(p.k) + token * p.k_token_stride;
+  const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
+
+  float sum_sq[kNumTensors] = {0.f, 0.f};
+  for (int d = threadIdx.x; d < widest; d += kV1Threads) {
+    if (d < p.q_hidden) {
+      const float x = to_float<T>(q[d]);
+      sum_sq[kQ] += x * x;
+    }
+    if (d < p.k_hidden) {
+      const float x = to_float<T>(k[d]);
+      sum_sq[kK] += x * x;
+    }
+  }
+  block_sum<kNumTensors>(sum_sq);  // every thread reaches it: no early exit above
+  const float rstd_q = rstd_from(sum_sq[kQ], static_cast<float>(p.q_hidden), p.eps);
+  const float rstd_k = rstd_from(sum_sq[kK], static_cast<float>(p.k_hidden), p.eps);
+
+  for (int d = threadIdx.x; d < widest; d += kV1Threads) {
+    if (d < p.q_hidden) {
+      const float w = effective_weight<T, kHfRounding>(load_weight<T>(p.q_weight, p.q_weight_is_fp32, d), p.weight_offset);
+      q[d] = normalize<T, kHfRounding>(to_float<T>(q[d]), rstd_q, w);
+    }
+    if (d < p.k_hidden) {
+      const float w = effective_weight<T, kHfRounding>(load_weight<T>(p.k_weight, p.k_weight_is_fp32, d), p.weight_offset);
+      k[d] = normalize<T, kHfRounding>(to_float<T>(k[d]), rstd_k, w);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// v2: grid (tokens, 2), blockIdx.y picks q or k: one sum and one weight per CTA - removes v1's extra live registers (higher occupancy) and doubles the CTAs
+// grid.x: token, grid.y: tensor (kQ, kK); thread -> columns threadIdx.x, + kV2Threads, ...
+// Streams any even width at any alignment: it is also v3's general path.
+// ------------------------------------------------------------------------------------------
+constexpr int kV2Threads = 256;
+static_assert(valid_block_size<kV2Threads>, "v2: whole warps, at most 1024 threads");
+
+template <typename T, bool kHfRounding>
+__global__ void __launch_bounds__(kV2Threads) cross_head_norm_v2_kernel(Params p) {
+  const Row<T> r = locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
+  float sum_sq = 0.f;
+  for (int d = threadIdx.x; d < r.hidden; d += kV2Threads) {
+    const float x = to_float<T>(r.x[d]);
+    sum_sq += x * x;
+  }
+  const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
+  for (int d = threadIdx.x; d < r.hidden; d += kV2Threads) {  // second read: served by L1/L2
+    const float w = effective_weight<T, kHfRounding>(load_weight<T>(r.w, r.w_is_fp32, d), p.weight_offset);
+    r.x[d] = normalize<T, kHfRounding>(to_float<T>(r.x[d]), rstd, w);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// v3: 16-byte vectors with the row held in registers, block size derived from the hidden size - removes v2's second read and narrow loads
+// grid.x: token, grid.y: tensor; thread t holds vectors t, t + blockDim.x, ... (kVecsPerThread of
+// them) of its row in registers, so x is read once and written once and one load instruction of
+// the block covers contiguous memory. blockDim.x = the wider row's vectors / kVecsPerThread.
+// ------------------------------------------------------------------------------------------
+constexpr int kV3MaxThreads = 512;       // per CTA: leaves room for several resident CTAs per SM
+constexpr int kV3MaxVecsPerThread = 8;   // 8 x 16 bytes = 32 registers of row per thread
+static_assert(valid_block_size<kV3MaxThreads>, "v3: whole warps, at most 1024 threads");
+
+template <typename T, int kVecsPerThread>
+struct V3Traits {
+  static constexpr int kVecElems = Vec<T>::kElems;  // 4 fp32, 8 fp16/bf16
+  static constexpr int kFloatVecsPerVec = kVecElems / Vec<float>::kElems;  // a float32 weight vector: 1 or 2 loads
+  static constexpr int kMaxHidden = kV3MaxThreads * kVecsPerThread * kVecElems;  // widest row held in registers
+
+  static_assert(kVecsPerThread >= 1 && kVecsPerThread <= kV3MaxVecsPerThread, "a thread holds 1..8 vectors");
+  static_assert(kVecElems % Vec<float>::kElems == 0, "a float32 weight slice is whole 16-byte vectors");
+};
+
+// kVecElems consecutive effective weights from column `col` (16-byte aligned: the host checks it).
+template <typename T, bool kHfRounding>
+__device__ __forceinline__ void load_weight_vec(const void* w, bool w_is_fp32, int col, float weight_offset,
+                                                float (&w_eff)[Vec<T>::kElems]) {
+  using Tr = V3Traits<T, 1>;
+  if (w_is_fp32) {
+#pragma unroll
+    for (int v = 0; v < Tr::kFloatVecsPerVec; ++v) {
+      const Vec<float> f = load_vec<float>(static_cast<const float*>(w) + col + v * Vec<float>::kElems);
+#pragma unroll
+      for (int j = 0; j < Vec<float>::kElems; ++j) w_eff[v * Vec<float>::kElems + j] = f.v[j];
+    }
+  } else {
+    const Vec<T> t = load_vec<T>(static_cast<const T*>(w) + col);
+#pragma unroll
+    for (int j = 0; j < Tr::kVecElems; ++j) w_eff[j] = to_float<T>(t.v[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < Tr::kVecElems; ++j) w_eff[j] = effective_weight<T, kHfRounding>(w_eff[j], weight_offset);
+}
+
+template <typename T, int kVecsPerThread, bool kHfRounding>
+__global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Params p) {
+  using Tr = V3Traits<T, kVecsPerThread>;
+  const Row<T> r = locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
+  const int num_vecs = r.hidden / Tr::kVecElems;  // the narrower tensor's CTAs leave threads idle
+
+  Vec<T> x[kVecsPerThread];
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    const int vec = i * blockDim.x + threadIdx.x;
+    if (vec < num_vecs) {
+      x[i] = load_vec<T>(r.x + vec * Tr::kVecElems);
+#pragma unroll
+      for (int j = 0; j < Tr::kVecElems; ++j) {
+        const float xf = to_float<T>(x[i].v[j]);
+        sum_sq += xf * xf;
+      }
+    }
+  }
+  const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    const int vec = i * blockDim.x + threadIdx.x;
+    if (vec < num_vecs) {
+      float w[Tr::kVecElems];
+      load_weight_vec<T, kHfRounding>(r.w, r.w_is_fp32, vec * Tr::kVecElems, p.weight_offset, w);
+      Vec<T> y;
+#pragma unroll
+      for (int j = 0; j < Tr::kVecElems; ++j) y.v[j] = normalize<T, kHfRounding>(to_float<T>(x[i].v[j]), rstd, w[j]);
+      store_vec<T>(r.x + vec * Tr::kVecElems, y);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Launchers (host). `launch` is what the binding calls.
+// ------------------------------------------------------------------------------------------
+inline dim3 token_tensor_grid(const Params& p) {
+  return dim3(static_cast<unsigned>(p.num_tokens), kNumTensors);
+}
+
+template <typename T, bool kHfRounding>
+inline void launch_v1(const Params& p, cudaStream_t stream) {
+  cross_head_norm_v1_kernel<T, kHfRounding><<<static_cast<unsigned>(p.num_tokens), kV1Threads, 0, stream>>>(p);
+}
+
+template <typename T, bool kHfRounding>
+inline void launch_v2(const Params& p, cudaStream_t stream) {
+  cross_head_norm_v2_kernel<T, kHfRounding><<<token_tensor_grid(p), kV2Threads, 0, stream>>>(p);
+}
+
+template <typename T, int kVecsPerThread, bool kHfRounding>
+inline void launch_v3_fixed(const Params& p, int widest_vecs, cudaStream_t stream) {
+  const int threads_needed = (widest_vecs + kVecsPerThread - 1) / kVecsPerThread;
+  const int threads = (threads_needed + kWarpSize - 1) / kWarpSize * kWarpSize;  // block_sum: whole warps
+  cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding><<<token_tensor_grid(p), threads, 0, stream>>>(p);
+}
+
+// The 16-byte path needs every row and both weights to start on 16-byte boundaries.
+template <typename T>
+inline bool vector_aligned(const Params& p) {
+  constexpr int kVecElems = Vec<T>::kElems;
+  return is_aligned(p.q, kVecBytes) && is_aligned(p.k, kVecBytes) && is_aligned(p.q_weight, kVecBytes) &&
+         is_aligned(p.k_weight, kVecBytes) && p.q_token_stride % kVecElems == 0 && p.k_token_stride % kVecElems == 0 &&
+         p.q_hidden % kVecElems == 0 && p.k_hidden % kVecElems == 0;
+}
+
+// The fewest vectors per thread that fit the wider row in one CTA of at most kV3MaxThreads
+// threads; rows wider than kV3MaxVecsPerThread vectors per thread stream through v2.
+template <typename T, bool kHfRounding>
+inline void launch_v3(const Params& p, cudaStream_t stream) {
+  const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
+  if (vector_aligned<T>(p)) {
+    const int widest_vecs = widest / Vec<T>::kElems;
+    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v3_fixed<T, 8, kHfRounding>(p, widest_vecs, stream);
+  }
+  launch_v2<T, kHfRounding>(p, stream);  // general path: any even width, any alignment
+}
+
+template <typename T, bool kHfRounding>
+inline void launch_version(const Params& p, int version, cudaStream_t stream) {
+  switch (version) {
+    case 1: return launch_v1<T, kHfRounding>(p, stream);
+    case 2: return launch_v2<T, kHfRounding>(p, stream);
+    default: return launch_v3<T, kHfRounding>(p, stream);
+  }
+}
+
+template <typename T>
+inline void launch_rounding(const Params& p, bool hf_rounding, int version, cudaStream_t stream) {
+  if (hf_rounding) {
+    launch_version<T, true>(p, version, stream);
+  } else {
+    launch_version<T, false>(p, version, stream);
+  }
+}
+
+constexpr int kNumVersions = 3;
+
+// Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
+inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
+  if (version < 1 || version > kNumVersions) return cudaErrorInvalidValue;
+  if (p.num_tokens == 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::kFloat32: launch_rounding<float>(p, hf_rounding, version, stream); break;
+    case DType::kFloat16: launch_rounding<__half>(p, hf_rounding, version, stream); break;
+    case DType::kBFloat16: launch_rounding<__nv_bfloat16>(p, hf_rounding, version, stream); break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace cookbook::cross_head_norm

@@ -1,0 +1,396 @@
+"""cross_head_norm: every registered implementation agrees with the contract; wrong variants
+(per-head statistics among them) are caught; bad inputs get a clear error and leave the tensors
+untouched."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from numba import cuda
+from hypothesis import strategies as st
+
+import cookbook
+from cookbook import registry
+from cookbook.ops import cross_head_norm as contract
+from cookbook.testing import agreement
+from kernels_numba.helpers import block_sum
+from helpers import DEVICE, ON_GPU, clone_inputs, kernel_impls, require, run_and_compare
+
+OP = "cross_head_norm"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# The simulator runs every GPU thread as a Python thread: tiny shapes there (hidden <= 256). On a
+# GPU the widths around the CUDA C v3 per-CTA limits (4096, 8192, 16384, 32768 bf16 elements) and
+# beyond, odd token counts 127 and 129; the CPU reference gets moderate widths (float64 oracle).
+SIM_WIDTHS = [2, 32, 64, 96, 130, 256]
+CPU_WIDTHS = [2, 96, 130, 1022, 1024, 2048, 4096, 4100]
+GPU_WIDTHS = CPU_WIDTHS + [8192, 8200, 16384, 16392, 32768, 32776, 65536]
+LAYOUTS = ("rows", "fused_qkv", "heads")
+
+
+def simulated(impl):
+    return impl.level == "numba" and not ON_GPU
+
+
+def shape_strategy(impl):
+    if simulated(impl):
+        tokens, widths = st.sampled_from([1, 2, 3]), SIM_WIDTHS
+    else:
+        tokens, widths = st.sampled_from([1, 2, 127, 129]), GPU_WIDTHS if ON_GPU else CPU_WIDTHS
+    return st.tuples(tokens, st.sampled_from(widths), st.sampled_from(widths))
+
+
+def case_strategy():
+    return st.fixed_dictionaries(
+        dict(
+            dtype=st.sampled_from(DTYPES),
+            fp32_weight=st.booleans(),
+            layout=st.sampled_from(LAYOUTS),
+            kind=st.sampled_from(contract.INPUT_KINDS),
+            rounding=st.sampled_from(["fused", "hf"]),
+            weight_offset=st.sampled_from([0.0, 1.0]),
+            eps=st.sampled_from([1e-6, 1e-5, 0.0]),
+            seed=st.integers(0, 2**16),
+        )
+    )
+
+
+def build(shape, case):
+    tokens, q_hidden, k_hidden = shape
+    # "heads": [T, heads, head_dim] views with packed heads; a head_dim that divides both widths.
+    head_dim = math.gcd(q_hidden, k_hidden, 128) if case["layout"] == "heads" else None
+    return contract.make_inputs(
+        tokens, q_hidden, k_hidden, case["dtype"], DEVICE, seed=case["seed"], fused_qkv=case["layout"] == "fused_qkv",
+        weight_dtype=torch.float32 if case["fp32_weight"] else None, kind=case["kind"], head_dim=head_dim,
+    )
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+def test_agrees_with_contract(impl):
+    require(impl)
+
+    @given(shape=shape_strategy(impl), case=case_strategy())
+    def check(shape, case):
+        inputs = build(shape, case)
+        run_and_compare(OP, impl, inputs, eps=case["eps"], weight_offset=case["weight_offset"], rounding=case["rounding"])
+
+    check()
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_unequal_widths_and_zero_rows(impl, dtype):
+    """q wider than k (GQA); all-zero rows give zeros with eps = 0, never NaN."""
+    require(impl)
+    inputs = contract.make_inputs(3, 128, 32, dtype, DEVICE, seed=1, kind="zero_rows", fused_qkv=True)
+    run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=0.0, rounding="fused")
+    assert not inputs["q"].isnan().any() and not inputs["k"].isnan().any()
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+def test_k_wider_than_q_packed_heads_hf(impl):
+    """k wider than q, as packed-heads views of fused qkv, in the Hugging Face order with Gemma's offset."""
+    require(impl)
+    inputs = contract.make_inputs(2, 64, 192, torch.bfloat16, DEVICE, seed=2, fused_qkv=True, head_dim=32)
+    assert inputs["q"].shape == (2, 2, 32) and inputs["k"].shape == (2, 6, 32)
+    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=1.0, rounding="hf")
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+def test_mixed_weight_dtypes(impl):
+    """q_weight in float32, k_weight in the activation dtype: each weight is read as stored."""
+    require(impl)
+    inputs = contract.make_inputs(3, 96, 64, torch.float16, DEVICE, seed=3)
+    inputs["q_weight"] = inputs["q_weight"].float()
+    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding="hf")
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+def test_misaligned_views(impl):
+    """Legal views whose rows (and a weight) do not start on 16-byte boundaries take a slower path, correctly."""
+    require(impl)
+    tokens, q_hidden, k_hidden = 3, 128, 64
+    width = q_hidden + 2 * k_hidden
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(tokens, width + 1, generator=gen).to(torch.bfloat16).to(DEVICE)
+    qkv = base[:, 1:]  # one element (2 bytes) past every 16-byte boundary
+    inputs = dict(
+        q=qkv[:, :q_hidden],
+        k=qkv[:, q_hidden : q_hidden + k_hidden],
+        q_weight=(torch.rand(q_hidden + 1, generator=gen) + 0.5).to(torch.bfloat16).to(DEVICE)[1:],
+        k_weight=(torch.rand(k_hidden, generator=gen) + 0.5).to(torch.bfloat16).to(DEVICE),
+    )
+    v_before = qkv[:, q_hidden + k_hidden :].clone()
+    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding="fused")
+    assert torch.equal(qkv[:, q_hidden + k_hidden :], v_before), "v (the rest of qkv) was modified"
+
+
+def test_public_api_returns_the_same_tensors_and_leaves_v_alone():
+    inputs = contract.make_inputs(4, 256, 64, torch.bfloat16, DEVICE, fused_qkv=True)
+    qkv = inputs["q"]._base
+    v_before = qkv[:, 256 + 64 :].clone()
+    q, k = cookbook.cross_head_norm(**inputs)
+    assert q is inputs["q"] and k is inputs["k"]
+    assert torch.equal(qkv[:, 256 + 64 :], v_before)
+
+
+def test_leading_token_dims_and_packed_heads():
+    """`[batch, seq, hidden]` and `[batch, seq, heads, head_dim]` work like `[tokens, hidden]`."""
+    inputs = contract.make_inputs(6, 128, 64, torch.float32, DEVICE, seed=3)
+    flat = clone_inputs(inputs)
+    cookbook.cross_head_norm(**flat, backend="reference")
+    for q_shape, k_shape in (((2, 3, 128), (2, 3, 64)), ((2, 3, 4, 32), (2, 3, 2, 32)), ((2, 3, 128), (2, 3, 2, 32))):
+        x = clone_inputs(inputs)
+        q, k = x["q"].view(q_shape), x["k"].view(k_shape)
+        cookbook.cross_head_norm(q, k, x["q_weight"], x["k_weight"], backend="reference")
+        assert torch.equal(q.reshape(6, 128), flat["q"]) and torch.equal(k.reshape(6, 64), flat["k"])
+
+
+def test_the_weight_length_names_the_row():
+    """[T, H, D] with a [H*D] weight: one row per token; with a [D] weight: one row per head
+    (then the token dims are [T, H], so q and k need as many heads)."""
+    inputs = contract.make_inputs(4, 128, 128, torch.float32, DEVICE, seed=4, head_dim=32)
+    across = clone_inputs(inputs)
+    cookbook.cross_head_norm(**across, backend="reference")
+    per_head = clone_inputs(inputs)
+    q_w, k_w = per_head["q_weight"][:32].clone(), per_head["k_weight"][:32].clone()
+    cookbook.cross_head_norm(per_head["q"], per_head["k"], q_w, k_w, backend="reference")
+    want = contract.rms_norm_rows(inputs["q"], q_w, 1e-6, 0.0, "fused")
+    assert torch.equal(per_head["q"], want)
+    assert not torch.allclose(across["q"], per_head["q"]), "across heads and per head should differ"
+
+
+def test_single_head_decode_shape():
+    """A decode step's [batch, 1, hidden] next to [batch, heads, head_dim]: both readings are legal."""
+    inputs = contract.make_inputs(3, 128, 64, torch.float32, DEVICE, seed=6)
+    flat = clone_inputs(inputs)
+    cookbook.cross_head_norm(**flat, backend="reference")
+    q, k = inputs["q"].view(3, 1, 128), inputs["k"].view(3, 2, 32)
+    cookbook.cross_head_norm(q, k, inputs["q_weight"], inputs["k_weight"], backend="reference")
+    assert torch.equal(q.view(3, 128), flat["q"]) and torch.equal(k.view(3, 64), flat["k"])
+
+
+# ------------------------------------------------------------------------------------------
+# Negative controls: plausible wrong implementations the same checks must reject.
+# Each takes (q, k, q_weight, k_weight, eps, weight_offset, rounding) and returns (q_out, k_out).
+# ------------------------------------------------------------------------------------------
+CONTROL_HEAD_DIM = 64
+
+
+def _per_row(norm_rows):
+    """A per-row function (x, w, ...) applied to q and k, named after it."""
+
+    def both(q, k, q_w, k_w, eps, offset, rounding):
+        return norm_rows(q, q_w, eps, offset, rounding), norm_rows(k, k_w, eps, offset, rounding)
+
+    both.__name__ = norm_rows.__name__
+    return both
+
+
+def _wrong_per_head(q, k, q_w, k_w, eps, offset, rounding):
+    """The qk_norm statistic: mean over each head of 64, not over the whole hidden."""
+
+    def per_head(x, w):
+        heads = x.unflatten(-1, (-1, CONTROL_HEAD_DIM)).float()
+        rstd = torch.rsqrt(heads.square().mean(-1, keepdim=True) + eps)
+        return (heads * rstd).flatten(-2).mul(w.float() + offset).to(x.dtype)
+
+    return per_head(q, q_w), per_head(k, k_w)
+
+
+@_per_row
+def _wrong_eps_outside_sqrt(x, w, eps, offset, rounding):
+    xf = x.float()
+    return (xf / (xf.square().mean(-1, keepdim=True).sqrt() + eps) * (w.float() + offset)).to(x.dtype)
+
+
+@_per_row
+def _wrong_fp16_accumulator(x, w, eps, offset, rounding):
+    xh = x.half()
+    rstd = torch.rsqrt(xh.square().mean(-1, keepdim=True) + eps)
+    return (xh * rstd).float().mul(w.float() + offset).to(x.dtype)
+
+
+@_per_row
+def _wrong_rounding_order(x, w, eps, offset, rounding):
+    return contract.rms_norm_rows(x, w, eps, offset, "fused" if rounding == "hf" else "hf")
+
+
+@_per_row
+def _wrong_weight_offset_ignored(x, w, eps, offset, rounding):
+    return contract.rms_norm_rows(x, w, eps, 0.0, rounding)
+
+
+def _wrong_k_divided_by_q_hidden(q, k, q_w, k_w, eps, offset, rounding):
+    """One `hidden` for both tensors (the q width): right only when q_hidden == k_hidden."""
+    kf = k.float()
+    rstd = torch.rsqrt(kf.square().sum(-1, keepdim=True) / q.shape[-1] + eps)
+    return contract.rms_norm_rows(q, q_w, eps, offset, rounding), (kf * rstd * (k_w.float() + offset)).to(k.dtype)
+
+
+def _wrong_one_statistic_for_q_and_k(q, k, q_w, k_w, eps, offset, rounding):
+    """A single rstd over q and k concatenated (the fused-CTA bug: the two sums mixed up)."""
+    both = torch.cat([q.float(), k.float()], dim=-1)
+    rstd = torch.rsqrt(both.square().mean(-1, keepdim=True) + eps)
+    return (q.float() * rstd * (q_w.float() + offset)).to(q.dtype), (k.float() * rstd * (k_w.float() + offset)).to(k.dtype)
+
+
+WRONG = [
+    _wrong_per_head, _wrong_eps_outside_sqrt, _wrong_fp16_accumulator, _wrong_rounding_order,
+    _wrong_weight_offset_ignored, _wrong_k_divided_by_q_hidden, _wrong_one_statistic_for_q_and_k,
+]
+CONTROL_CASES = [
+    (dtype, kind, rounding, offset)
+    for dtype in (torch.float16, torch.bfloat16)
+    for kind in ("normal", "tiny", "huge")
+    for rounding in ("fused", "hf")
+    for offset in (0.0, 1.0)
+]
+
+
+def _all_pass(norm):
+    for dtype, kind, rounding, offset in CONTROL_CASES:
+        inputs = contract.make_inputs(4, 512, 256, dtype, "cpu", seed=7, kind=kind)
+        expected = contract.expected(inputs, 1e-6, offset, rounding)
+        q, k, q_w, k_w = (inputs[name] for name in ("q", "k", "q_weight", "k_weight"))
+        outputs = dict(zip(("q", "k"), norm(q, k, q_w, k_w, 1e-6, offset, rounding)))
+        for name, actual in outputs.items():
+            exact, rounded = expected[name]
+            if not agreement(name, actual, exact, rounded, rounding, contract.TOLERANCES[dtype]).ok:
+                return False
+    return True
+
+
+def test_reference_passes_the_control_cases():
+    assert _all_pass(_per_row(contract.rms_norm_rows))
+
+
+@pytest.mark.parametrize("wrong", WRONG, ids=lambda f: f.__name__.removeprefix("_wrong_"))
+def test_wrong_variant_is_rejected(wrong):
+    assert not _all_pass(wrong), f"{wrong.__name__} passed every check: the checks are too loose"
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the argument, and nothing written.
+# ------------------------------------------------------------------------------------------
+def _good(dtype=torch.bfloat16, device=DEVICE):
+    return contract.make_inputs(2, 128, 64, dtype, device, seed=5)
+
+
+def _bad_cases():
+    def with_(**changes):
+        def make():
+            args = dict(_good(), eps=1e-6, weight_offset=0.0, rounding="fused")
+            for key, value in changes.items():
+                args[key] = value(args) if callable(value) else value
+            return args
+
+        return make
+
+    def strided_last(a):
+        q = a["q"]
+        return torch.randn(q.shape[:-1] + (q.shape[-1] * 2,)).to(dtype=q.dtype, device=q.device)[..., ::2]
+
+    def unpacked_heads(a):
+        # [T, 2 heads, 64] whose heads are 128 elements apart: not one run of 128 elements.
+        return torch.randn(2, 2, 128).to(dtype=a["q"].dtype, device=a["q"].device)[..., :64]
+
+    def uncollapsible(a):
+        return torch.ones(4, 2, 128, dtype=a["q"].dtype, device=a["q"].device).permute(1, 0, 2)
+
+    def zeros(*shape):
+        return lambda a: a["q"].new_zeros(*shape)
+
+    return [
+        ("q not a tensor", with_(q=lambda a: a["q"].tolist()), TypeError, "q: expected a torch.Tensor"),
+        ("integer q", with_(q=lambda a: a["q"].to(torch.int32)), TypeError, "q: expected"),
+        ("q of rank 1", with_(q=lambda a: a["q"][0]), ValueError, "at least 2 dims"),
+        ("token mismatch", with_(k=lambda a: a["k"][:1]), ValueError, "k: expected the token dims of q"),
+        ("dtype mismatch", with_(k=lambda a: a["k"].half()), TypeError, "k: expected the dtype of q"),
+        ("weight shape", with_(q_weight=lambda a: a["q_weight"][:32]), ValueError, "q_weight: expected [q_hidden=128]"),
+        ("weight dtype", with_(k_weight=lambda a: a["k_weight"].half()), TypeError, "k_weight: expected [k_hidden=64]"),
+        ("weight rank", with_(q_weight=lambda a: a["q_weight"].view(1, 128)), ValueError, "q_weight"),
+        ("weight not a tensor", with_(k_weight=1.0), TypeError, "k_weight: expected a torch.Tensor"),
+        ("strided last dim", with_(q=strided_last), ValueError, "contiguous last dim"),
+        ("heads not packed", with_(q=unpacked_heads), ValueError, "packed heads"),
+        ("odd hidden", with_(q=lambda a: a["q"][..., :63], q_weight=lambda a: a["q_weight"][:63]), ValueError,
+         "unsupported q_hidden=63"),
+        ("hidden too big", with_(k=zeros(2, 65538), k_weight=zeros(65538)), ValueError, "unsupported k_hidden=65538"),
+        ("negative eps", with_(eps=-1e-6), ValueError, "eps"),
+        ("nan eps", with_(eps=float("nan")), ValueError, "eps"),
+        ("eps not a number", with_(eps="1e-6"), TypeError, "eps"),
+        ("bad rounding", with_(rounding="bf16"), ValueError, "rounding: expected one of"),
+        ("bad weight_offset", with_(weight_offset=float("inf")), ValueError, "weight_offset"),
+        ("uncollapsible token dims", with_(q=uncollapsible, k=lambda a: a["k"].new_ones(2, 4, 64)), ValueError, "collapse"),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "numba", "cuda"])
+@pytest.mark.parametrize("label,make,error,fragment", _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_bad_input_is_rejected_untouched(backend, label, make, error, fragment):
+    args = make()
+    tensors = {name: v for name, v in args.items() if isinstance(v, torch.Tensor)}
+    snapshot = {name: v.clone() for name, v in tensors.items()}
+    with pytest.raises(error) as info:
+        cookbook.cross_head_norm(**args, backend=backend)
+    message = str(info.value)
+    assert fragment in message, message
+    if "got shape" in message:
+        assert "stride" in message and "dtype" in message, f"the error should describe the tensor: {message}"
+    for name, t in tensors.items():
+        assert torch.equal(t, snapshot[name]), f"{name} was modified before the error"
+
+
+def test_bad_backend_name():
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        cookbook.cross_head_norm(**_good(), backend="triton")
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU-tensor error of the CUDA backend")
+def test_cpu_tensors_with_cuda_backend():
+    inputs = _good()
+    before = clone_inputs(inputs)
+    with pytest.raises(ValueError, match=r"backend='cuda': expected CUDA tensors, got tensors on cpu"):
+        cookbook.cross_head_norm(**inputs, backend="cuda")
+    assert all(torch.equal(inputs[k], before[k]) for k in inputs)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: mixes CUDA and CPU tensors")
+def test_device_mismatch():
+    inputs = _good()
+    inputs["k"] = inputs["k"].cpu()
+    before = clone_inputs(inputs)
+    with pytest.raises(ValueError, match="k: expected the device of q"):
+        cookbook.cross_head_norm(**inputs)
+    assert torch.equal(inputs["q"].cpu(), before["q"].cpu())
+
+
+def test_registry_lists_every_level():
+    levels = {impl.level for impl in registry.implementations(OP)}
+    assert {"reference", "numba", "cuda", "peer"} <= levels
+    assert registry.latest(OP, "cuda").version == max(i.version for i in registry.implementations(OP, ("cuda",)))
+
+
+# ------------------------------------------------------------------------------------------
+# The Numba block_sum helper this op introduced (simulator on a CPU, shuffles on a GPU).
+# ------------------------------------------------------------------------------------------
+@cuda.jit
+def _block_sums_kernel(v, sums, doubled):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    sums[i] = block_sum(v[i])
+    doubled[i] = block_sum(2 * v[i])  # a second call right after: its scratch must not race the first's
+
+
+@pytest.mark.parametrize("threads", [32, 96, 256])
+def test_numba_block_sum_gives_every_thread_the_blocks_sum(threads):
+    blocks = 3
+    v = (np.arange(blocks * threads, dtype=np.float32) % 17) ** 2  # small integers: every order sums exactly
+    sums, doubled = np.zeros_like(v), np.zeros_like(v)
+    _block_sums_kernel[blocks, threads](v, sums, doubled)
+    want = np.repeat(v.reshape(blocks, threads).sum(axis=1), threads)
+    np.testing.assert_array_equal(sums, want)
+    np.testing.assert_array_equal(doubled, 2 * want)

@@ -1,0 +1,139 @@
+"""cross_head_norm on a real GPU: every version at scale and around the per-CTA limits,
+torch.compile, CUDA graphs, opcheck, 64-bit strides, compute-sanitizer.
+
+Skipped on machines without a CUDA GPU (CI); run on an H100/H200 through the device tool."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cookbook
+from cookbook import registry
+from cookbook.ops import cross_head_norm as contract
+from helpers import ON_GPU, clone_inputs, kernel_impls, require, run_and_compare
+
+pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+OP = "cross_head_norm"
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("shape", [(2048, 8192, 8192), (4096, 6144, 1024), (333, 5120, 1024), (7, 1024, 32768), (3, 65536, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_shapes_at_scale(impl, shape, dtype):
+    require(impl)
+    inputs = contract.make_inputs(*shape, dtype, "cuda", seed=11, fused_qkv=True)
+    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding="fused")
+
+
+# v3 holds a row in registers up to 512 threads x kVecsPerThread x 16 bytes: 4096, 8192, 16384,
+# 32768 elements of a 16-bit dtype (half that in float32); one vector more changes the template
+# or, past the last, falls back to v2's streaming loop.
+CTA_LIMIT_WIDTHS = [w + extra for w in (2048, 4096, 8192, 16384, 32768) for extra in (-8, 0, 8)] + [65536]
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("width", CTA_LIMIT_WIDTHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_widths_near_cta_limits(impl, width, dtype):
+    require(impl)
+    inputs = contract.make_inputs(5, width, 1024, dtype, "cuda", seed=width, fused_qkv=True)
+    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=1.0, rounding="hf")
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+def test_token_stride_beyond_int32(impl):
+    """A token stride over 2^31 elements must not overflow the kernels' index arithmetic."""
+    require(impl)
+    hidden = 1024
+    stride = 2**31 + 8 * hidden  # elements; keeps 16-byte alignment so v3 takes its vector path
+    try:
+        storage = torch.zeros(stride + hidden, dtype=torch.bfloat16, device="cuda")
+    except torch.OutOfMemoryError:
+        pytest.skip("needs about 4 GiB of GPU memory")
+    q = storage.as_strided((2, hidden), (stride, 1))
+    q.copy_(torch.randn(2, hidden, device="cuda"))
+    k = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+    q_w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+    k_w = torch.rand(256, device="cuda", dtype=torch.bfloat16) + 0.5
+    run_and_compare(OP, impl, dict(q=q, k=k, q_weight=q_w, k_weight=k_w), eps=1e-6, weight_offset=0.0, rounding="fused")
+    del storage, q
+    torch.cuda.empty_cache()
+
+
+def test_torch_compile_fullgraph():
+    inputs = contract.make_inputs(64, 4096, 1024, torch.bfloat16, "cuda", seed=2, fused_qkv=True)
+    eager = clone_inputs(inputs)
+    cookbook.cross_head_norm(**eager, backend="cuda")
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, q_weight, k_weight):
+        return cookbook.cross_head_norm(q, k, q_weight, k_weight, backend="cuda")
+
+    step(**inputs)
+    assert torch.equal(inputs["q"], eager["q"]) and torch.equal(inputs["k"], eager["k"])
+
+
+def test_cuda_graph_capture_and_replay():
+    inputs = contract.make_inputs(256, 8192, 1024, torch.bfloat16, "cuda", seed=3, fused_qkv=True)
+    static = clone_inputs(inputs)
+    cookbook.cross_head_norm(**clone_inputs(inputs), backend="cuda")  # build and load outside capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        cookbook.cross_head_norm(**static, backend="cuda")
+    torch.cuda.current_stream().wait_stream(stream)
+    for name in ("q", "k"):
+        static[name].copy_(inputs[name])
+    graph.replay()
+    expected = clone_inputs(inputs)
+    cookbook.cross_head_norm(**expected, backend="cuda")
+    torch.cuda.synchronize()
+    assert torch.equal(static["q"], expected["q"]) and torch.equal(static["k"], expected["k"])
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_opcheck(version):
+    from cookbook import cuda
+
+    cuda.load(OP)
+    inputs = contract.make_inputs(16, 2048, 512, torch.bfloat16, "cuda", seed=4)
+    args = (inputs["q"], inputs["k"], inputs["q_weight"], inputs["k_weight"], 1e-6, 0.0, False, version)
+    torch.library.opcheck(torch.ops.cookbook.cross_head_norm.default, args)
+
+
+def test_auto_backend_is_the_last_cuda_version():
+    assert registry.resolve(OP, "auto", "cuda") is registry.latest(OP, "cuda")
+
+
+SANITIZED = """
+import torch, cookbook
+from cookbook.ops import cross_head_norm as contract
+for version in (1, 2, 3):
+    for fused in (False, True):
+        for q_hidden, k_hidden in ((4096, 1024), (32776, 96)):
+            x = contract.make_inputs(3, q_hidden, k_hidden, torch.bfloat16, "cuda", seed=version, fused_qkv=fused)
+            cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
+x = contract.make_inputs(3, 130, 64, torch.float16, "cuda", fused_qkv=True)
+cookbook.cross_head_norm(**x, backend="cuda", rounding="hf")
+torch.cuda.synchronize()
+print("sanitized run done")
+"""
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_compute_sanitizer(tool):
+    from cookbook import cuda
+
+    cuda.load(OP)  # build outside the sanitizer (much faster), the child reuses the cache
+    run = subprocess.run(
+        ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", sys.executable, "-c", SANITIZED],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0 and "ERROR SUMMARY: 0 errors" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
