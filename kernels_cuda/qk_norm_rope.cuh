@@ -1,0 +1,486 @@
+// qk_norm_rope: per-head RMSNorm of q and k, then rotary embedding, in place, one pass.
+//
+//   per (token, head) row x of length head_dim, float32 accumulation:
+//   n  = x * rsqrt(mean(x^2) + eps) * (w + weight_offset)              (qk_norm's math)
+//   for pair i < rope_dim / 2, dims (a, b) = (i, i + rope_dim/2) NeoX, or (2i, 2i + 1) interleaved:
+//   a' = a * cos_i - b * sin_i,   b' = b * cos_i + a * sin_i           (dims >= rope_dim pass through)
+//   cos_i, sin_i: row p = positions[token] + position_offset of cos_sin_cache [max_position, rope_dim]
+//   (cos | sin); an out-of-range p reads nothing and gives cos = sin = NaN (cookbook/ops/qk_norm_rope.py).
+//
+// Rows are numbered token-major as in qk_norm.cuh: row r is token r / (Hq + Hk), head r % (Hq + Hk).
+//
+// Versions (cookbook/registry.py is the list; tests/test_cuda_sources.py keeps these lines and
+// the registry's leads identical):
+// v1: the unfused pair engines started from: a warp-per-row norm kernel writes float32 rows, then a separate rope kernel rotates them (two launches, an extra round trip through memory)
+// v2: fused, one warp per (token, head): norm and rope in one launch, each lane owns whole (a, b) pairs so no partner exchange is needed - removes v1's second launch and round trip
+// v3: 16-byte vectors held in registers, lanes sized to the head, the NeoX partner fetched by a warp shuffle, cos/sin read once per token and reused across its heads, persistent grid - removes v2's second read, narrow loads and per-head cache reads
+//
+// Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm_rope.cu is the torch glue.
+#pragma once
+
+#include <cmath>
+
+#include "include/common.cuh"
+
+namespace cookbook::qk_norm_rope {
+
+struct Params {
+  void* q;                      // [T, Hq, D], element strides below, last dim contiguous
+  void* k;                      // [T, Hk, D]
+  const void* q_weight;         // [D], activation dtype or float32
+  const void* k_weight;         // [D]
+  bool weight_is_fp32;
+  const void* cos_sin_cache;    // [max_position, rope_dim], contiguous, activation dtype or float32
+  bool cache_is_fp32;
+  int64_t max_position;
+  const void* positions;        // [T], int32 or int64
+  bool positions_are_int64;
+  int64_t position_offset;
+  float* scratch;               // v1 only: float32 [T, Hq + Hk, D] between its two kernels
+  int64_t num_tokens;
+  int num_q_heads;
+  int num_kv_heads;
+  int head_dim;
+  int rope_dim;
+  bool is_neox;
+  int64_t q_token_stride, q_head_stride;  // in elements
+  int64_t k_token_stride, k_head_stride;
+  float eps;
+  float weight_offset;
+};
+
+inline int64_t total_rows(const Params& p) { return p.num_tokens * (p.num_q_heads + p.num_kv_heads); }
+
+// Float32 elements of v1's scratch (0 for the fused versions).
+inline int64_t scratch_elements(const Params& p, int version) {
+  return version == 1 ? total_rows(p) * p.head_dim : 0;
+}
+
+template <typename T>
+struct Row {
+  T* x;
+  const void* w;
+};
+
+template <typename T>
+__device__ __forceinline__ Row<T> locate_row(const Params& p, int64_t token, int head) {
+  if (head < p.num_q_heads) {
+    return {static_cast<T*>(p.q) + token * p.q_token_stride + head * p.q_head_stride, p.q_weight};
+  }
+  const int kv_head = head - p.num_q_heads;
+  return {static_cast<T*>(p.k) + token * p.k_token_stride + kv_head * p.k_head_stride, p.k_weight};
+}
+
+// ---- the rope arithmetic ---------------------------------------------------------------------
+// The cache row of `token`, or -1 when positions[token] + position_offset is out of range.
+__device__ __forceinline__ int64_t cache_row(const Params& p, int64_t token) {
+  const int64_t position = p.positions_are_int64 ? static_cast<const int64_t*>(p.positions)[token]
+                                                 : static_cast<const int32_t*>(p.positions)[token];
+  const int64_t row = position + p.position_offset;
+  return row >= 0 && row < p.max_position ? row : -1;
+}
+
+// cos_i and sin_i of cache row `row` (NaN for row -1: an out-of-range position reads nothing).
+// In the Hugging Face order they are rounded to the activation dtype first.
+template <typename T, bool kHfRounding>
+__device__ __forceinline__ void load_cos_sin(const Params& p, int64_t row, int pair, float& cos, float& sin) {
+  if (row < 0) {
+    cos = sin = NAN;
+    return;
+  }
+  const int64_t base = row * p.rope_dim;
+  cos = load_weight<T>(p.cos_sin_cache, p.cache_is_fp32, base + pair);  // same storage rule as a weight
+  sin = load_weight<T>(p.cos_sin_cache, p.cache_is_fp32, base + p.rope_dim / 2 + pair);
+  if constexpr (kHfRounding) {
+    cos = round_to<T>(cos);
+    sin = round_to<T>(sin);
+  }
+}
+
+// Where dim d < rope_dim sits in the rotation: its pair index, whether it is the pair's first
+// member a (a' = a cos - b sin) or its second b (b' = b cos + a sin), and its partner's dim.
+struct PairSlot {
+  int pair;
+  bool is_first;
+  int partner;
+};
+
+__device__ __forceinline__ PairSlot pair_slot(int d, int rope_dim, bool is_neox) {
+  const int half = rope_dim / 2;
+  if (is_neox) return d < half ? PairSlot{d, true, d + half} : PairSlot{d - half, false, d - half};
+  return PairSlot{d / 2, d % 2 == 0, d ^ 1};
+}
+
+// The normalized value as float32: unrounded (fused), or rounded as qk_norm's HF order does.
+template <typename T, bool kHfRounding>
+__device__ __forceinline__ float normalized(float x, float rstd, float w_eff) {
+  if constexpr (kHfRounding) {
+    return round_to<T>(round_to<T>(x * rstd) * w_eff);
+  } else {
+    return x * rstd * w_eff;
+  }
+}
+
+// The rotated value of `n` given its partner; HF order: every product and the sum rounded to T.
+template <typename T, bool kHfRounding>
+__device__ __forceinline__ float rotated(float n, float partner, bool is_first, float cos, float sin) {
+  const float signed_sin = is_first ? -sin : sin;
+  if constexpr (kHfRounding) {
+    return round_to<T>(round_to<T>(n * cos) + round_to<T>(partner * signed_sin));
+  } else {
+    return n * cos + partner * signed_sin;
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// v1: the unfused pair engines started from: a warp-per-row norm kernel writes float32 rows, then a separate rope kernel rotates them (two launches, an extra round trip through memory)
+// Kernel 1 (norm): grid.x: ceil(rows / kV1WarpsPerBlock); warp -> row; writes n to scratch in
+// float32 (a dtype-rounded intermediate would add a rounding the fused contract does not allow).
+// Kernel 2 (rope): grid.x: ceil(rows * D / kV1RopeThreads); thread -> one output element.
+// ------------------------------------------------------------------------------------------
+constexpr int kV1WarpsPerBlock = 8;
+constexpr int kV1NormThreads = kV1WarpsPerBlock * kWarpSize;
+constexpr int kV1RopeThreads = 256;
+
+template <typename T, bool kHfRounding>
+__global__ void __launch_bounds__(kV1NormThreads) qk_norm_rope_v1_norm_kernel(Params p, int64_t rows) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kV1WarpsPerBlock) + threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  if (row >= rows) return;  // uniform per warp: the shuffles below always see a full warp
+  const int heads = p.num_q_heads + p.num_kv_heads;
+  const Row<T> r = locate_row<T>(p, row / heads, static_cast<int>(row % heads));
+  float sum_sq = 0.f;
+  for (int d = lane; d < p.head_dim; d += kWarpSize) {
+    const float x = to_float<T>(r.x[d]);
+    sum_sq += x * x;
+  }
+  const float rstd = rstd_from(warp_sum(sum_sq), static_cast<float>(p.head_dim), p.eps);
+  float* n = p.scratch + row * p.head_dim;
+  for (int d = lane; d < p.head_dim; d += kWarpSize) {
+    const float w = effective_weight<T, kHfRounding>(load_weight<T>(r.w, p.weight_is_fp32, d), p.weight_offset);
+    n[d] = normalized<T, kHfRounding>(to_float<T>(r.x[d]), rstd, w);
+  }
+}
+
+template <typename T, bool kHfRounding>
+__global__ void __launch_bounds__(kV1RopeThreads) qk_norm_rope_v1_rope_kernel(Params p, int64_t elements) {
+  const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (e >= elements) return;  // no barrier or shuffle below
+  const int64_t row = e / p.head_dim;
+  const int d = static_cast<int>(e - row * p.head_dim);
+  const int heads = p.num_q_heads + p.num_kv_heads;
+  const int64_t token = row / heads;
+  const Row<T> r = locate_row<T>(p, token, static_cast<int>(row % heads));
+  const float* n = p.scratch + row * p.head_dim;
+  float y = n[d];
+  if (d < p.rope_dim) {
+    const PairSlot s = pair_slot(d, p.rope_dim, p.is_neox);
+    float cos, sin;
+    load_cos_sin<T, kHfRounding>(p, cache_row(p, token), s.pair, cos, sin);
+    y = rotated<T, kHfRounding>(y, n[s.partner], s.is_first, cos, sin);
+  }
+  r.x[d] = from_float<T>(y);
+}
+
+// ------------------------------------------------------------------------------------------
+// v2: fused, one warp per (token, head): norm and rope in one launch, each lane owns whole (a, b) pairs so no partner exchange is needed - removes v1's second launch and round trip
+// grid.x: ceil(rows / kV2WarpsPerBlock); warp -> row. Pass 1: lane-strided sum of squares.
+// Pass 2: lane -> pairs lane, lane + 32, ...: it reads both members (NeoX: both halves, each
+// coalesced across the warp), normalizes, rotates and writes both; then the pass-through dims.
+// Works for any even head_dim and rope_dim and any alignment: it is also v3's general path.
+// ------------------------------------------------------------------------------------------
+constexpr int kV2WarpsPerBlock = 8;
+constexpr int kV2Threads = kV2WarpsPerBlock * kWarpSize;
+
+template <typename T, bool kHfRounding>
+__global__ void __launch_bounds__(kV2Threads) qk_norm_rope_v2_kernel(Params p, int64_t rows) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kV2WarpsPerBlock) + threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  if (row >= rows) return;  // uniform per warp
+  const int heads = p.num_q_heads + p.num_kv_heads;
+  const int64_t token = row / heads;
+  const Row<T> r = locate_row<T>(p, token, static_cast<int>(row % heads));
+  float sum_sq = 0.f;
+  for (int d = lane; d < p.head_dim; d += kWarpSize) {
+    const float x = to_float<T>(r.x[d]);
+    sum_sq += x * x;
+  }
+  const float rstd = rstd_from(warp_sum(sum_sq), static_cast<float>(p.head_dim), p.eps);
+  auto norm_at = [&](int d) {  // second read: served by L1/L2
+    const float w = effective_weight<T, kHfRounding>(load_weight<T>(r.w, p.weight_is_fp32, d), p.weight_offset);
+    return normalized<T, kHfRounding>(to_float<T>(r.x[d]), rstd, w);
+  };
+  const int64_t cache = cache_row(p, token);
+  for (int pair = lane; pair < p.rope_dim / 2; pair += kWarpSize) {
+    const int a_dim = p.is_neox ? pair : 2 * pair;
+    const int b_dim = pair_slot(a_dim, p.rope_dim, p.is_neox).partner;
+    const float a = norm_at(a_dim), b = norm_at(b_dim);
+    float cos, sin;
+    load_cos_sin<T, kHfRounding>(p, cache, pair, cos, sin);
+    r.x[a_dim] = from_float<T>(rotated<T, kHfRounding>(a, b, true, cos, sin));
+    r.x[b_dim] = from_float<T>(rotated<T, kHfRounding>(b, a, false, cos, sin));
+  }
+  for (int d = p.rope_dim + lane; d < p.head_dim; d += kWarpSize) r.x[d] = from_float<T>(norm_at(d));
+}
+
+// v3's geometry, as qk_norm v3: a head is kVecsPerHead 16-byte vectors spread over
+// kThreadsPerHead lanes (at most a warp), each holding kVecsPerThread of them in registers.
+template <typename T, int kHeadDim>
+struct V3Traits {
+  static constexpr int kVecElems = Vec<T>::kElems;                    // 4 fp32, 8 fp16/bf16
+  static constexpr int kVecsPerHead = kHeadDim / kVecElems;
+  static constexpr int kThreadsPerHead = kVecsPerHead < kWarpSize ? kVecsPerHead : kWarpSize;
+  static constexpr int kVecsPerThread = kVecsPerHead / kThreadsPerHead;
+  static constexpr int kElemsPerThread = kVecsPerThread * kVecElems;
+  static constexpr int kThreadsPerBlock = 256;
+  static constexpr int kGroupsPerBlock = kThreadsPerBlock / kThreadsPerHead;
+
+  static_assert(kHeadDim % kVecElems == 0, "a head is a whole number of 16-byte vectors");
+  static_assert(kVecsPerHead % kThreadsPerHead == 0, "every lane of a head holds as many vectors");
+  static_assert(kWarpSize % kThreadsPerHead == 0, "heads tile a warp, so a shuffle group never spans two warps");
+  static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
+  static_assert(kVecElems % 2 == 0, "an interleaved pair never straddles two vectors");
+};
+
+// ------------------------------------------------------------------------------------------
+// v3: 16-byte vectors held in registers, lanes sized to the head, the NeoX partner fetched by a warp shuffle, cos/sin read once per token and reused across its heads, persistent grid - removes v2's second read, narrow loads and per-head cache reads
+// A group of kThreadsPerHead lanes owns one row at a time (qk_norm v3's geometry); a work item
+// is one token and a run of `heads_per_item` of its heads, so the group reads the token's
+// cos/sin once and reuses them for every head of the run. grid.x: min(item groups, resident
+// blocks); blocks stride over items. Needs rope_dim a multiple of two vectors: a vector is then
+// wholly rotated or wholly passed through, an interleaved pair sits inside one vector, and a
+// NeoX partner vector lies a whole number of vectors away: in another lane (a shuffle) or in
+// another vector slot of the same lane.
+// ------------------------------------------------------------------------------------------
+template <typename T, int kHeadDim, bool kHfRounding>
+__global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
+    qk_norm_rope_v3_kernel(Params p, int64_t items, int heads_per_item, int items_per_token) {
+  using Tr = V3Traits<T, kHeadDim>;
+  constexpr int kVecElems = Tr::kVecElems;
+  constexpr int kElems = Tr::kElemsPerThread;
+  const int lane = threadIdx.x % Tr::kThreadsPerHead;  // lane within its head group
+  const int group = threadIdx.x / Tr::kThreadsPerHead;
+  const int heads = p.num_q_heads + p.num_kv_heads;
+
+  // Vector slot i of this lane is vector i * kThreadsPerHead + lane of the row (as in qk_norm v3).
+  auto vector_of = [&](int i) { return i * Tr::kThreadsPerHead + lane; };
+
+  float w_q[kElems], w_k[kElems];
+#pragma unroll
+  for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) {
+      const int d = vector_of(i) * kVecElems + j;
+      w_q[i * kVecElems + j] = effective_weight<T, kHfRounding>(load_weight<T>(p.q_weight, p.weight_is_fp32, d), p.weight_offset);
+      w_k[i * kVecElems + j] = effective_weight<T, kHfRounding>(load_weight<T>(p.k_weight, p.weight_is_fp32, d), p.weight_offset);
+    }
+  }
+  // Each vector slot's place in the rotation; a NeoX partner vector is `half_vecs` vectors away,
+  // held by lane `partner_lane` in its slot `partner_slot` (the same element index j).
+  const int half_vecs = p.rope_dim / 2 / kVecElems;
+  bool is_rotated[Tr::kVecsPerThread], is_first[Tr::kVecsPerThread];
+  int partner_lane[Tr::kVecsPerThread], partner_slot[Tr::kVecsPerThread];
+#pragma unroll
+  for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+    const int v = vector_of(i);
+    is_rotated[i] = v * kVecElems < p.rope_dim;
+    is_first[i] = v < half_vecs;
+    const int partner = is_rotated[i] ? (is_first[i] ? v + half_vecs : v - half_vecs) : v;
+    partner_lane[i] = partner % Tr::kThreadsPerHead;
+    partner_slot[i] = partner / Tr::kThreadsPerHead;
+  }
+
+  // `first` is uniform across the block, so every lane runs the same iterations and the group
+  // shuffles never miss a lane; items past the end compute on zeros and store nothing.
+  const int64_t item_stride = static_cast<int64_t>(gridDim.x) * Tr::kGroupsPerBlock;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kGroupsPerBlock; first < items; first += item_stride) {
+    const int64_t item = first + group;
+    const bool item_active = item < items;
+    const int64_t token = item_active ? item / items_per_token : 0;
+    const int head_begin = static_cast<int>(item - token * items_per_token) * heads_per_item;
+
+    // cos/sin of every rotated element of this lane, once per token.
+    float cos[kElems], sin[kElems];
+    const int64_t cache = item_active ? cache_row(p, token) : -1;
+#pragma unroll
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+#pragma unroll
+      for (int j = 0; j < kVecElems; ++j) {
+        const int e = i * kVecElems + j;
+        cos[e] = sin[e] = 0.f;
+        if (item_active && is_rotated[i]) {
+          const int d = vector_of(i) * kVecElems + j;
+          load_cos_sin<T, kHfRounding>(p, cache, pair_slot(d, p.rope_dim, p.is_neox).pair, cos[e], sin[e]);
+        }
+      }
+    }
+
+    for (int h = 0; h < heads_per_item; ++h) {  // uniform trip count: shuffles stay convergent
+      const int head = head_begin + h;
+      const bool active = item_active && head < heads;
+      const Row<T> r = active ? locate_row<T>(p, token, head) : Row<T>{nullptr, nullptr};
+      const bool is_q = head < p.num_q_heads;
+
+      Vec<T> x[Tr::kVecsPerThread];
+#pragma unroll
+      for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+        if (active) {
+          x[i] = load_vec<T>(r.x + vector_of(i) * kVecElems);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVecElems; ++j) x[i].v[j] = from_float<T>(0.f);
+        }
+      }
+      float sum_sq = 0.f;
+#pragma unroll
+      for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+#pragma unroll
+        for (int j = 0; j < kVecElems; ++j) {
+          const float xf = to_float<T>(x[i].v[j]);
+          sum_sq += xf * xf;
+        }
+      }
+      const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
+      float n[kElems];
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) {
+        n[e] = normalized<T, kHfRounding>(to_float<T>(x[e / kVecElems].v[e % kVecElems]), rstd, is_q ? w_q[e] : w_k[e]);
+      }
+
+      // The partner of every element: interleaved, the neighbour in the same vector; NeoX, the
+      // same element of the partner vector: each source slot s is shuffled from the partner lane
+      // and kept where it is the partner's slot (the shuffle sends one register for all lanes).
+      float partner[kElems];
+      if (p.is_neox) {
+#pragma unroll
+        for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+#pragma unroll
+          for (int s = 0; s < Tr::kVecsPerThread; ++s) {
+#pragma unroll
+            for (int j = 0; j < kVecElems; ++j) {
+              const float got = __shfl_sync(kFullMask, n[s * kVecElems + j], partner_lane[i], Tr::kThreadsPerHead);
+              if (s == partner_slot[i]) partner[i * kVecElems + j] = got;
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) partner[e] = n[e ^ 1];
+      }
+
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+          Vec<T> y;
+#pragma unroll
+          for (int j = 0; j < kVecElems; ++j) {
+            const int e = i * kVecElems + j;
+            const bool first_member = p.is_neox ? is_first[i] : j % 2 == 0;
+            const float out = is_rotated[i] ? rotated<T, kHfRounding>(n[e], partner[e], first_member, cos[e], sin[e]) : n[e];
+            y.v[j] = from_float<T>(out);
+          }
+          store_vec<T>(r.x + vector_of(i) * kVecElems, y);
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Launchers (host). `launch` is what the binding calls.
+// ------------------------------------------------------------------------------------------
+template <typename T, bool kHfRounding>
+inline void launch_v1(const Params& p, int64_t rows, cudaStream_t stream) {
+  const int64_t norm_blocks = (rows + kV1WarpsPerBlock - 1) / kV1WarpsPerBlock;
+  qk_norm_rope_v1_norm_kernel<T, kHfRounding><<<static_cast<unsigned>(norm_blocks), kV1NormThreads, 0, stream>>>(p, rows);
+  const int64_t elements = rows * p.head_dim;
+  const int64_t rope_blocks = (elements + kV1RopeThreads - 1) / kV1RopeThreads;
+  qk_norm_rope_v1_rope_kernel<T, kHfRounding><<<static_cast<unsigned>(rope_blocks), kV1RopeThreads, 0, stream>>>(p, elements);
+}
+
+template <typename T, bool kHfRounding>
+inline void launch_v2(const Params& p, int64_t rows, cudaStream_t stream) {
+  const int64_t blocks = (rows + kV2WarpsPerBlock - 1) / kV2WarpsPerBlock;
+  qk_norm_rope_v2_kernel<T, kHfRounding><<<static_cast<unsigned>(blocks), kV2Threads, 0, stream>>>(p, rows);
+}
+
+// Heads per work item: whole tokens (cos/sin read once per token) when there are enough tokens
+// to fill every resident group; otherwise a token's heads are split over groups so that small
+// batches (decode) still fill the GPU.
+template <typename T, int kHeadDim, bool kHfRounding>
+inline void launch_v3_fixed(const Params& p, cudaStream_t stream) {
+  using Tr = V3Traits<T, kHeadDim>;
+  const auto kernel = qk_norm_rope_v3_kernel<T, kHeadDim, kHfRounding>;
+  const int heads = p.num_q_heads + p.num_kv_heads;
+  const int64_t resident_blocks = persistent_grid_limit(kernel, Tr::kThreadsPerBlock);
+  const int64_t resident_groups = resident_blocks * Tr::kGroupsPerBlock;
+  const int64_t rows = total_rows(p);
+  int64_t heads_per_item = (rows + resident_groups - 1) / resident_groups;  // ceil(rows / groups)
+  heads_per_item = heads_per_item < heads ? heads_per_item : heads;
+  const int items_per_token = static_cast<int>((heads + heads_per_item - 1) / heads_per_item);
+  const int64_t items = p.num_tokens * items_per_token;
+  const int64_t needed = (items + Tr::kGroupsPerBlock - 1) / Tr::kGroupsPerBlock;
+  const int64_t blocks = needed < resident_blocks ? needed : resident_blocks;
+  kernel<<<static_cast<unsigned>(blocks), Tr::kThreadsPerBlock, 0, stream>>>(p, items, static_cast<int>(heads_per_item),
+                                                                              items_per_token);
+}
+
+// The vector path needs 16-byte aligned rows and rope_dim a multiple of two vectors.
+template <typename T>
+inline bool vector_path_ok(const Params& p) {
+  constexpr int kVecElems = Vec<T>::kElems;
+  return is_aligned(p.q, kVecBytes) && is_aligned(p.k, kVecBytes) && p.q_token_stride % kVecElems == 0 &&
+         p.q_head_stride % kVecElems == 0 && p.k_token_stride % kVecElems == 0 &&
+         p.k_head_stride % kVecElems == 0 && p.rope_dim % (2 * kVecElems) == 0;
+}
+
+template <typename T, bool kHfRounding>
+inline void launch_v3(const Params& p, int64_t rows, cudaStream_t stream) {
+  if (vector_path_ok<T>(p)) {
+    switch (p.head_dim) {
+      case 64: return launch_v3_fixed<T, 64, kHfRounding>(p, stream);
+      case 128: return launch_v3_fixed<T, 128, kHfRounding>(p, stream);
+      case 256: return launch_v3_fixed<T, 256, kHfRounding>(p, stream);
+      case 512: return launch_v3_fixed<T, 512, kHfRounding>(p, stream);
+      default: break;
+    }
+  }
+  launch_v2<T, kHfRounding>(p, rows, stream);  // general path: any even head_dim / rope_dim, any alignment
+}
+
+template <typename T, bool kHfRounding>
+inline void launch_version(const Params& p, int version, cudaStream_t stream) {
+  const int64_t rows = total_rows(p);
+  switch (version) {
+    case 1: return launch_v1<T, kHfRounding>(p, rows, stream);
+    case 2: return launch_v2<T, kHfRounding>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding>(p, rows, stream);
+  }
+}
+
+template <typename T>
+inline void launch_rounding(const Params& p, bool hf_rounding, int version, cudaStream_t stream) {
+  if (hf_rounding) {
+    launch_version<T, true>(p, version, stream);
+  } else {
+    launch_version<T, false>(p, version, stream);
+  }
+}
+
+constexpr int kNumVersions = 3;
+
+// Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
+// Version 1 needs `p.scratch` with scratch_elements(p, 1) floats.
+inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
+  if (version < 1 || version > kNumVersions) return cudaErrorInvalidValue;
+  if (total_rows(p) == 0) return cudaSuccess;
+  if (version == 1 && p.scratch == nullptr) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case DType::kFloat32: launch_rounding<float>(p, hf_rounding, version, stream); break;
+    case DType::kFloat16: launch_rounding<__half>(p, hf_rounding, version, stream); break;
+    case DType::kBFloat16: launch_rounding<__nv_bfloat16>(p, hf_rounding, version, stream); break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace cookbook::qk_norm_rope

@@ -1,0 +1,134 @@
+"""qk_norm_rope on a real GPU: diffusion shapes for every version, torch.compile, CUDA graphs,
+opcheck, compute-sanitizer.
+
+Skipped on machines without a CUDA GPU (CI); run on an H100/H200 through the device tool."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cookbook
+from cookbook import registry
+from cookbook.ops import qk_norm_rope as contract
+from helpers import ON_GPU, clone_inputs, kernel_impls, require, run_and_compare
+
+pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+OP = "qk_norm_rope"
+
+# (tokens, q heads, kv heads, head_dim, rope_dim, is_neox): FLUX, Qwen-Image (full and partial
+# rope), decode with GQA, an interleaved case, a wide head with a non-power-of-two rope_dim.
+SHAPES = [
+    (4096, 24, 24, 128, 128, True),
+    (4096, 24, 24, 128, 128, False),
+    (4096, 32, 32, 128, 64, True),
+    (64, 32, 8, 128, 128, True),
+    (333, 5, 1, 256, 96, True),
+    (7, 3, 1, 512, 384, False),
+    (129, 4, 2, 96, 80, True),
+]
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rounding", ["fused", "hf"])
+def test_shapes_at_scale(impl, shape, dtype, rounding):
+    require(impl)
+    t, hq, hk, d, rope_dim, is_neox = shape
+    inputs = contract.make_inputs(t, hq, hk, d, rope_dim, is_neox, dtype, "cuda", seed=11, fused_qkv=True,
+                                  position_dtype=torch.int32, position_offset=7)
+    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding=rounding)
+
+
+def _public(inputs):
+    inputs = dict(inputs)
+    rope = inputs.pop("rope")
+    return inputs, dict(is_neox=rope.is_neox, rope_dim=rope.rope_dim, position_offset=rope.position_offset)
+
+
+def test_torch_compile_fullgraph():
+    tensors, kwargs = _public(contract.make_inputs(64, 8, 2, 128, 64, True, torch.bfloat16, "cuda", seed=2, fused_qkv=True))
+    eager = clone_inputs(tensors)
+    cookbook.qk_norm_rope(**eager, **kwargs, backend="cuda")
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, q_weight, k_weight, cos_sin_cache, positions):
+        return cookbook.qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, **kwargs, backend="cuda")
+
+    step(**tensors)
+    assert torch.equal(tensors["q"], eager["q"]) and torch.equal(tensors["k"], eager["k"])
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_cuda_graph_capture_and_replay(version):
+    tensors, kwargs = _public(contract.make_inputs(256, 8, 2, 128, 128, False, torch.bfloat16, "cuda", seed=3, fused_qkv=True))
+    impl = registry.get(OP, f"cuda_v{version}")
+
+    def call(t):
+        a = contract.check_inputs(**t, eps=1e-6, weight_offset=0.0, rounding="fused", rope=contract.Rope(**kwargs))
+        impl.fn(a.q, a.k, a.q_weight, a.k_weight, a.cos_sin_cache, a.positions, a.eps, a.weight_offset, a.rounding,
+                a.is_neox, a.rope_dim, a.position_offset)
+
+    static = clone_inputs(tensors)
+    call(clone_inputs(tensors))  # build and load outside capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        call(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    for name in ("q", "k"):
+        static[name].copy_(tensors[name])
+    static["positions"].copy_(tensors["positions"].flip(0))  # new positions, same buffer
+    graph.replay()
+    expected = clone_inputs(tensors)
+    expected["positions"] = tensors["positions"].flip(0).contiguous()
+    call(expected)
+    torch.cuda.synchronize()
+    assert torch.equal(static["q"], expected["q"]) and torch.equal(static["k"], expected["k"])
+
+
+def test_opcheck():
+    from cookbook import cuda
+
+    cuda.load(OP)
+    x = contract.make_inputs(16, 4, 2, 128, 64, True, torch.bfloat16, "cuda", seed=4)
+    args = (x["q"], x["k"], x["q_weight"], x["k_weight"], x["cos_sin_cache"], x["positions"], 1e-6, 0.0, True, 64, 0,
+            False, 3)
+    torch.library.opcheck(torch.ops.cookbook.qk_norm_rope.default, args)
+
+
+def test_auto_backend_is_the_last_cuda_version():
+    assert registry.resolve(OP, "auto", "cuda") is registry.latest(OP, "cuda")
+
+
+SANITIZED = """
+import torch, cookbook
+from cookbook.ops import qk_norm_rope as contract
+for version in (1, 2, 3):
+    for is_neox in (False, True):
+        x = contract.make_inputs(5, 3, 1, 128, 64, is_neox, torch.bfloat16, "cuda", seed=version, fused_qkv=True,
+                                 max_position=6)
+        x["positions"][0] = 100  # out of range: must read nothing
+        cookbook.cuda.qk_norm_rope(x["q"], x["k"], x["q_weight"], x["k_weight"], x["cos_sin_cache"], x["positions"],
+                                   1e-6, 0.0, "fused", is_neox, 64, 0, version=version)
+torch.cuda.synchronize()
+print("sanitized run done")
+"""
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
+def test_compute_sanitizer_memcheck():
+    from cookbook import cuda
+
+    cuda.load(OP)
+    run = subprocess.run(
+        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", sys.executable, "-c", SANITIZED],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0 and "ERROR SUMMARY: 0 errors" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
