@@ -260,6 +260,16 @@ print(numba_qk_norm.__doc__)
 print(inspect.getsource(numba_qk_norm.make_qk_norm_kernel))
 
 # %% [markdown]
+# v1 waits on memory latency: each lane has one narrow load in flight and reads its row twice.
+# Numba v2 fixes head_dim when the kernel is built, so the per-lane loop has a constant trip
+# count: it unrolls, the row stays in a local array the compiler keeps in registers (one read),
+# and all of a lane's loads are in flight together. Head dims that are not a multiple of 32 take
+# v1, the general path.
+
+# %%
+print(inspect.getsource(numba_qk_norm.make_qk_norm_kernel_v2))
+
+# %% [markdown]
 # The warp reduction comes from the shared helpers. On a GPU it is a butterfly of
 # `shfl_xor_sync`; the simulator has no warp shuffles, so there the lanes meet in shared memory.
 # That version contains `syncthreads`, which is why the kernel above never returns early: every
@@ -278,8 +288,9 @@ print(f"on this machine warp_sum is {chosen} (simulator: {numba_helpers.SIMULATO
 # kernel's storage codec:
 
 # %%
-print(inspect.getsource(numba_qk_norm.qk_norm))
-print(inspect.getsource(numba_qk_norm._launch_simulated))
+print(inspect.getsource(numba_qk_norm._launch))
+print(inspect.getsource(numba_helpers._launch_gpu))
+print(inspect.getsource(numba_helpers._launch_simulated))
 
 # %% [markdown]
 # ## 7. The CUDA C versions, and the flaw each one fixes

@@ -94,7 +94,7 @@ def test_auto_backend_is_the_last_cuda_version():
 
 
 SANITIZED = """
-import torch, cookbook
+import torch, cookbook, cookbook.cuda
 from cookbook.ops import qk_norm as contract
 for version in (1, 2, 3):
     for fused in (False, True):

@@ -108,7 +108,7 @@ def test_auto_backend_is_the_last_cuda_version():
 
 
 SANITIZED = """
-import torch, cookbook
+import torch, cookbook, cookbook.cuda
 from cookbook.ops import qk_norm_rope as contract
 for version in (1, 2, 3):
     for is_neox in (False, True):

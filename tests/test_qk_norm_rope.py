@@ -35,7 +35,7 @@ def shape_strategy(impl):
     @st.composite
     def shapes(draw):
         d = draw(head_dim)
-        rope_dim = draw(st.sampled_from([d, d // 2, 2 * (3 * d // 8), 2 * (d // 3), 2]))
+        rope_dim = draw(st.sampled_from([d, 2 * (d // 4), 2 * (3 * d // 8), 2 * (d // 3), 2]))
         return draw(tokens), draw(heads), draw(heads), d, max(2, rope_dim)
 
     return shapes()
@@ -253,7 +253,7 @@ def test_out_of_range_position_gives_nan_in_rotated_dims(impl, bad_position):
         assert out[1, :, :rope_dim].isnan().all(), f"{name}: the bad token's rotated dims should be NaN"
         assert not out[1, :, rope_dim:].isnan().any(), f"{name}: the pass-through dims stay normalized"
         good = [0, 2]
-        exact = expected[name][0]
+        exact = expected[name][0].cpu()
         result = agreement(name, out[good], exact[good], None, "fused", contract.TOLERANCES[torch.bfloat16])
         assert result.ok, result.message
         torch.testing.assert_close(out[1, :, rope_dim:].double(), exact[1, :, rope_dim:], rtol=1e-2, atol=1e-2)

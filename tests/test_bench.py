@@ -1,0 +1,150 @@
+"""The benchmark harness on a CPU: the simulator tour on one tiny shape, and the pure helpers the
+GPU path relies on (percentiles, GPU names, rotating-set and replay sizing)."""
+
+import pytest
+import torch
+
+from cookbook import bench, registry
+from cookbook.ops import qk_norm as qk_norm_contract
+from cookbook.registry import Impl
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the tour is the CPU path")
+TINY = {"qk_norm": [(1, 2, 1, 32)]}
+
+
+def quiet(*_):
+    pass
+
+
+@cpu_only
+def test_tour_runs_every_cpu_implementation_and_they_agree():
+    rows = bench.tour(ops=["qk_norm"], shapes=TINY, dtypes=(torch.bfloat16,), echo=quiet)
+    assert rows and all(row["agrees"] for row in rows), [row["agreement"] for row in rows if not row["agrees"]]
+    ran = {row["impl"] for row in rows}
+    expected = {impl.name for impl in registry.implementations("qk_norm") if impl.unavailable("cpu") is None}
+    assert ran == expected and "reference" in ran
+    assert {row["rounding"] for row in rows} == set(bench.ROUNDINGS)
+
+
+def _forgets_the_weight(q, k, q_weight, k_weight, eps, weight_offset, rounding):
+    """A deliberately wrong implementation: normalizes but never scales by the weight."""
+    ones = torch.ones_like(q_weight)
+    qk_norm_contract.reference(q, k, ones, ones, eps, weight_offset, rounding)
+
+
+@cpu_only
+def test_tour_reports_a_wrong_implementation(monkeypatch):
+    monkeypatch.setattr(qk_norm_contract, "_forgets_the_weight", _forgets_the_weight, raising=False)
+    wrong = Impl("qk_norm", "forgets_the_weight", "reference", 0, "cookbook.ops.qk_norm:_forgets_the_weight", "wrong")
+    monkeypatch.setitem(registry.IMPLEMENTATIONS, "qk_norm", [registry.get("qk_norm", "reference"), wrong])
+    rows = bench.tour(ops=["qk_norm"], shapes=TINY, dtypes=(torch.bfloat16,), echo=quiet)
+    verdicts = {(row["impl"], row["rounding"]): row["agrees"] for row in rows}
+    assert verdicts == {
+        ("reference", "fused"): True, ("reference", "hf"): True,
+        ("forgets_the_weight", "fused"): False, ("forgets_the_weight", "hf"): False,
+    }  # fmt: skip
+    assert all("ulp" in row["agreement"] for row in rows if not row["agrees"])
+
+
+@cpu_only
+def test_the_command_without_a_gpu_runs_the_tour(monkeypatch, capsys):
+    from cookbook.__main__ import main
+
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")  # main sets it; restored after the test
+    monkeypatch.setattr(qk_norm_contract, "SIM_SHAPES", TINY["qk_norm"])
+    assert main(["--ops", "qk_norm"]) == 0  # no sub-command: bench, which falls back to the tour
+    printed = capsys.readouterr().out
+    assert "CPU tour" in printed and "runs agree with the contract." in printed and "FAILURES" not in printed
+    assert "On a CUDA GPU" in printed  # what a GPU run would add
+
+
+def test_percentile_interpolates_between_neighbours():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert bench.percentile(values, 0) == 1.0
+    assert bench.percentile(values, 50) == 3.0
+    assert bench.percentile(values, 100) == 5.0
+    assert bench.percentile(values, 25) == 2.0
+    assert bench.percentile([0.0, 10.0], 20) == pytest.approx(2.0)
+    assert bench.percentile([7.0], 80) == 7.0
+    with pytest.raises(ValueError):
+        bench.percentile([], 50)
+
+
+def test_summarize_names_median_and_spread():
+    stats = bench.summarize([float(v) for v in range(11)])
+    assert stats == {"median_us": 5.0, "p20_us": 2.0, "p80_us": 8.0}
+
+
+@pytest.mark.parametrize(
+    "name, slug",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H100 PCIe", "h100"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA GeForce RTX 4090", "rtx4090"),
+        ("Tesla T4", "t4"),
+        ("", "gpu"),
+    ],
+)
+def test_gpu_slug(name, slug):
+    assert bench.gpu_slug(name) == slug
+
+
+MB = 1_000_000
+L2 = 50 * MB
+PLENTY = 1 << 40
+
+
+def test_rotating_sets_move_several_l2_per_pass():
+    count = bench.rotating_set_count(37 * MB, 20 * MB, L2, PLENTY)
+    assert count * 37 * MB >= bench.L2_FLUSH_FACTOR * L2
+    assert (count - 1) * 37 * MB < bench.L2_FLUSH_FACTOR * L2
+
+
+def test_rotating_sets_are_bounded():
+    assert bench.rotating_set_count(1000 * MB, 500 * MB, L2, PLENTY) == bench.MIN_INPUT_SETS
+    assert bench.rotating_set_count(10_000, 5_000, L2, PLENTY) == bench.MAX_INPUT_SETS
+    assert bench.rotating_set_count(10_000, 5_000, L2, 3 * 5_000) == 3  # memory budget
+    assert bench.rotating_set_count(10_000, 5_000, L2, 10) == 1  # never zero
+
+
+def test_calls_per_replay_is_whole_passes_of_the_target_length():
+    sets = 64
+    calls = bench.calls_per_replay(sets, call_us=2.0)
+    assert calls % sets == 0 and calls * 2.0 >= bench.TARGET_REPLAY_US
+    assert (calls - sets) * 2.0 < bench.TARGET_REPLAY_US
+    assert bench.calls_per_replay(2, call_us=150.0) == 2  # one pass is long enough
+    assert bench.calls_per_replay(64, call_us=0.0) <= bench.MAX_CALLS_PER_REPLAY
+    assert bench.calls_per_replay(1, call_us=0.0) == bench.MAX_CALLS_PER_REPLAY
+
+
+def test_select_shapes():
+    shapes = list(range(10))
+    assert bench.select_shapes(shapes, "full") == shapes
+    assert bench.select_shapes(shapes, "quick") == [0, 5, 9]
+    assert bench.select_shapes([7], "quick") == [7]
+    with pytest.raises(ValueError):
+        bench.select_shapes(shapes, "medium")
+
+
+def _row(impl, shape, median_us):
+    return dict(dict.fromkeys(bench.ROW_FIELDS), op="qk_norm", impl=impl, shape=list(shape), median_us=median_us)
+
+
+def test_speedups_are_baseline_over_row():
+    rows = [_row("reference", (8, 4, 1, 64), 30.0), _row("torch_compile", (8, 4, 1, 64), 6.0),
+            _row("cuda_v3", (8, 4, 1, 64), 3.0), _row("numba_v1", (8, 4, 1, 64), None)]  # fmt: skip
+    bench.add_speedups(rows)
+    assert rows[2]["x_vs_eager"] == pytest.approx(10.0) and rows[2]["x_vs_compile"] == pytest.approx(2.0)
+    assert rows[3]["x_vs_eager"] is None  # not timed (disagreed or failed)
+
+
+def test_largest_family_groups_shapes_by_everything_but_tokens():
+    rows = [_row("cuda_v3", shape, 1.0) for shape in [(1, 64, 8, 128), (16, 64, 8, 128), (8192, 8, 1, 128)]]
+    assert [row["shape"][0] for row in bench.largest_family(rows)] == [1, 16]
+
+
+def test_markdown_table_pads_columns():
+    table = bench.markdown_table(["a", "bb"], [["xyz", 1]]).splitlines()
+    assert table == ["| a   | bb |", "|-----|----|", "| xyz | 1  |"]
