@@ -248,16 +248,14 @@ def flops(q, k) -> int:
 
 # Shapes the benchmark sweeps: (tokens, q heads, kv heads, head_dim).
 BENCH_SHAPES = [
-    (1, 64, 8, 128),
-    (16, 64, 8, 128),
+    (1, 64, 8, 128),  # decode of one sequence: launch-bound
     (256, 64, 8, 128),
     (1024, 64, 8, 128),
-    (4096, 64, 8, 128),
-    (8192, 64, 8, 128),
-    (8192, 8, 1, 128),
-    (8192, 32, 8, 64),
+    (8192, 64, 8, 128),  # prefill: bandwidth-bound, the headline shape
+    (8192, 8, 1, 128),  # GQA down to one kv head
+    (8192, 32, 8, 64),  # smaller heads: four heads per warp in v3
     (2048, 16, 4, 256),
-    (1024, 8, 1, 96),
+    (1024, 8, 1, 96),  # a head_dim off the fast paths: the general path
 ]
 SIM_SHAPES = [(2, 2, 1, 64), (3, 4, 2, 32)]
 
