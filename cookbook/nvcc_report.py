@@ -9,6 +9,7 @@ registers / spills per kernel. Each op header `kernels_cuda/<op>.cuh` defines
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -40,7 +41,9 @@ def nvcc() -> str | None:
 
 
 def _demangle(names: list[str]) -> list[str]:
-    filt = shutil.which("cu++filt") or shutil.which("c++filt")
+    # cu++filt ships beside nvcc in the CUDA toolkit (which is not always on PATH).
+    beside_nvcc = str(Path(os.path.realpath(nvcc() or "nvcc")).parent)
+    filt = shutil.which("cu++filt") or shutil.which("cu++filt", path=beside_nvcc) or shutil.which("c++filt")
     if not filt:
         return names
     out = subprocess.run([filt], input="\n".join(names), capture_output=True, text=True, check=True).stdout

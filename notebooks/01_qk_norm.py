@@ -358,16 +358,19 @@ if nvcc_report.nvcc() is None:
     print("nvcc is not on PATH: skipping the compiler's resource report (CI and GPU machines have it).")
 else:
     kernels = nvcc_report.compile_header(OP)
-    name = re.compile(r"qk_norm_v(\d+)_kernel<__nv_bfloat16, (?:(\d+), )?(true|false)>")
+    # v1 and v2 take any head_dim; v3 and v4 are one vector kernel, templated on head_dim and on
+    # the rows each lane group keeps in flight (v3: 1; v4: 2 at head_dim 128 in bf16).
+    name = re.compile(r"qk_norm_(?:v(\d+)_kernel<__nv_bfloat16, |vec_kernel<__nv_bfloat16, (128), (\d+), )(true|false)>")
     print(f"{OP}.cuh compiled for {nvcc_report.DEFAULT_ARCH}: {len(kernels)} kernels; bf16, head_dim 128:\n")
     table = []
     for k in kernels:
         m = name.search(k.kernel)
-        if not m or m.group(2) not in (None, "128"):
+        if not m:
             continue
         per_warp = -(-k.registers * 32 // REGISTER_ALLOC_UNIT) * REGISTER_ALLOC_UNIT
         warps = min(MAX_WARPS_PER_SM, REGISTERS_PER_SM // per_warp)
-        table.append((int(m.group(1)), "hf" if m.group(3) == "true" else "fused", k.registers, k.spill_bytes, warps))
+        version = int(m.group(1)) if m.group(1) else (3 if m.group(3) == "1" else 4)
+        table.append((version, "hf" if m.group(4) == "true" else "fused", k.registers, k.spill_bytes, warps))
     print("| version | rounding | registers | spill bytes | warps/SM the registers allow |")
     print("|---|---|---|---|---|")
     for version, rounding, registers, spills, warps in sorted(table):
@@ -404,7 +407,7 @@ def check(impl, shape, dtype, rounding, weight_offset):
 
 
 failures = 0
-for impl in registry.implementations(OP):
+for impl in registry.implementations(OP, ("reference", "numba", "cuda")):  # the peer is timed below
     reason = impl.unavailable(DEVICE)
     if reason:
         print(f"{impl.name:<14} skipped: {reason}")
