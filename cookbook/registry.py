@@ -86,7 +86,6 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _cuda("qk_norm", 1, "one thread per (token, head) row, the naive port: a warp's loads are head_dim elements apart (uncoalesced)"),
         _cuda("qk_norm", 2, "one warp per (token, head) with a shuffle reduction: lanes read neighbouring elements (coalesced) - removes v1's scattered loads"),
         _cuda("qk_norm", 3, "16-byte vectors held in registers, lanes sized to the head, q and k on a persistent grid with the weights loaded once per thread - removes v2's second read and narrow loads"),
-        _cuda("qk_norm", 4, "at least two 16-byte loads in flight per lane: small heads take two rows per iteration, loaded before either is reduced - removes v3's one-load-at-a-time latency"),
         Impl("qk_norm", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
     ],

@@ -11,7 +11,6 @@
 // v1: one thread per (token, head) row, the naive port: a warp's loads are head_dim elements apart (uncoalesced)
 // v2: one warp per (token, head) with a shuffle reduction: lanes read neighbouring elements (coalesced) - removes v1's scattered loads
 // v3: 16-byte vectors held in registers, lanes sized to the head, q and k on a persistent grid with the weights loaded once per thread - removes v2's second read and narrow loads
-// v4: at least two 16-byte loads in flight per lane: small heads take two rows per iteration, loaded before either is reduced - removes v3's one-load-at-a-time latency
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -132,13 +131,10 @@ struct V3Traits {
   static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
 };
 
-// kRowsInFlight rows per lane group and loop iteration: all their vectors are loaded before any
-// is reduced (v3: 1; v4: kV4RowsInFlight).
-template <typename T, int kHeadDim, int kRowsInFlight, bool kHfRounding>
+template <typename T, int kHeadDim, bool kHfRounding>
 __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
-    qk_norm_vec_kernel(Params p, int64_t rows) {
+    qk_norm_v3_kernel(Params p, int64_t rows) {
   using Tr = V3Traits<T, kHeadDim>;
-  static_assert(kRowsInFlight >= 1, "at least one row per iteration");
   const int lane = threadIdx.x % Tr::kThreadsPerHead;  // lane within its head group
   const int head_in_block = threadIdx.x / Tr::kThreadsPerHead;
 
@@ -159,70 +155,45 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 
   // `first` is uniform across the block, so every lane runs the same iterations and the group
   // shuffles never miss a lane; rows past the end compute on zeros and store nothing.
-  constexpr int kRowsPerBlockIter = kRowsInFlight * Tr::kHeadsPerBlock;
-  const int64_t row_stride = static_cast<int64_t>(gridDim.x) * kRowsPerBlockIter;
-  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kRowsPerBlockIter; first < rows; first += row_stride) {
-    Row<T> r[kRowsInFlight];
-    bool active[kRowsInFlight];
-    Vec<T> x[kRowsInFlight][Tr::kVecsPerThread];
+  const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kHeadsPerBlock;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kHeadsPerBlock; first < rows; first += row_stride) {
+    const int64_t row = first + head_in_block;
+    const bool active = row < rows;
+    const Row<T> r = active ? locate_row<T>(p, row) : Row<T>{nullptr, nullptr, false};
+
+    Vec<T> x[Tr::kVecsPerThread];
 #pragma unroll
-    for (int k = 0; k < kRowsInFlight; ++k) {
-      const int64_t row = first + k * Tr::kHeadsPerBlock + head_in_block;
-      active[k] = row < rows;
-      r[k] = active[k] ? locate_row<T>(p, row) : Row<T>{nullptr, nullptr, false};
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+      if (active) {
+        x[i] = load_vec<T>(r.x + column(i, 0));
+      } else {
 #pragma unroll
-      for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-        if (active[k]) {
-          x[k][i] = load_vec<T>(r[k].x + column(i, 0));
-        } else {
-#pragma unroll
-          for (int j = 0; j < Tr::kVecElems; ++j) x[k][i].v[j] = from_float<T>(0.f);
-        }
+        for (int j = 0; j < Tr::kVecElems; ++j) x[i].v[j] = from_float<T>(0.f);
       }
     }
+    float sum_sq = 0.f;
 #pragma unroll
-    for (int k = 0; k < kRowsInFlight; ++k) {
-      float sum_sq = 0.f;
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+#pragma unroll
+      for (int j = 0; j < Tr::kVecElems; ++j) {
+        const float xf = to_float<T>(x[i].v[j]);
+        sum_sq += xf * xf;
+      }
+    }
+    const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
+    if (active) {
 #pragma unroll
       for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+        Vec<T> y;
 #pragma unroll
         for (int j = 0; j < Tr::kVecElems; ++j) {
-          const float xf = to_float<T>(x[k][i].v[j]);
-          sum_sq += xf * xf;
+          const int e = i * Tr::kVecElems + j;
+          y.v[j] = normalize<T, kHfRounding>(to_float<T>(x[i].v[j]), rstd, r.is_q ? w_q[e] : w_k[e]);
         }
-      }
-      const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
-      if (active[k]) {
-#pragma unroll
-        for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-          Vec<T> y;
-#pragma unroll
-          for (int j = 0; j < Tr::kVecElems; ++j) {
-            const int e = i * Tr::kVecElems + j;
-            y.v[j] = normalize<T, kHfRounding>(to_float<T>(x[k][i].v[j]), rstd, r[k].is_q ? w_q[e] : w_k[e]);
-          }
-          store_vec<T>(r[k].x + column(i, 0), y);
-        }
+        store_vec<T>(r.x + column(i, 0), y);
       }
     }
   }
-}
-
-// ------------------------------------------------------------------------------------------
-// v4: at least two 16-byte loads in flight per lane: small heads take two rows per iteration, loaded before either is reduced - removes v3's one-load-at-a-time latency
-// Same kernel as v3. Keeping 4 TB/s busy takes bandwidth x DRAM latency in flight: tens of KiB
-// per SM. With one 16-byte vector per lane (head_dim <= 256 in 16-bit types), v3 has one load
-// per lane outstanding and its 38 registers allow 6 blocks of 256 threads: 24 KiB per SM. v4
-// loads two rows first (48 registers, 5 blocks): 40 KiB per SM. Heads of 2+ vectors per lane
-// already have two loads in flight and keep one row per iteration (and their registers).
-// ------------------------------------------------------------------------------------------
-constexpr int kV3LoadsInFlight = 1;
-constexpr int kV4LoadsInFlight = 2;
-
-template <typename T, int kHeadDim, int kLoadsInFlight>
-constexpr int rows_in_flight() {
-  constexpr int kVecs = V3Traits<T, kHeadDim>::kVecsPerThread;
-  return kVecs >= kLoadsInFlight ? 1 : (kLoadsInFlight + kVecs - 1) / kVecs;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -240,13 +211,11 @@ inline void launch_v2(const Params& p, int64_t rows, cudaStream_t stream) {
   qk_norm_v2_kernel<T, kHfRounding><<<static_cast<unsigned>(blocks), kV2Threads, 0, stream>>>(p, rows);
 }
 
-template <typename T, int kHeadDim, int kLoadsInFlight, bool kHfRounding>
-inline void launch_vec_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
+template <typename T, int kHeadDim, bool kHfRounding>
+inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   using Tr = V3Traits<T, kHeadDim>;
-  constexpr int kRowsInFlight = rows_in_flight<T, kHeadDim, kLoadsInFlight>();
-  const auto kernel = qk_norm_vec_kernel<T, kHeadDim, kRowsInFlight, kHfRounding>;
-  constexpr int64_t kRowsPerBlockIter = kRowsInFlight * Tr::kHeadsPerBlock;
-  const int64_t needed = (rows + kRowsPerBlockIter - 1) / kRowsPerBlockIter;
+  const auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding>;
+  const int64_t needed = (rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock;
   const int64_t resident = persistent_grid_limit(kernel, Tr::kThreadsPerBlock);
   const int64_t blocks = needed < resident ? needed : resident;
   kernel<<<static_cast<unsigned>(blocks), Tr::kThreadsPerBlock, 0, stream>>>(p, rows);
@@ -260,16 +229,15 @@ inline bool vector_aligned(const Params& p) {
          p.q_head_stride % kVecElems == 0 && p.k_token_stride % kVecElems == 0 && p.k_head_stride % kVecElems == 0;
 }
 
-// v3 (one load in flight per lane) and v4 (two): fast head_dims on aligned rows, else the general path.
-template <typename T, int kLoadsInFlight, bool kHfRounding>
-inline void launch_vec(const Params& p, int64_t rows, cudaStream_t stream) {
+template <typename T, bool kHfRounding>
+inline void launch_v3(const Params& p, int64_t rows, cudaStream_t stream) {
   if (vector_aligned<T>(p)) {
     switch (p.head_dim) {
-      case 64: return launch_vec_fixed<T, 64, kLoadsInFlight, kHfRounding>(p, rows, stream);
-      case 128: return launch_vec_fixed<T, 128, kLoadsInFlight, kHfRounding>(p, rows, stream);
-      case 256: return launch_vec_fixed<T, 256, kLoadsInFlight, kHfRounding>(p, rows, stream);
-      case 512: return launch_vec_fixed<T, 512, kLoadsInFlight, kHfRounding>(p, rows, stream);
-      case 1024: return launch_vec_fixed<T, 1024, kLoadsInFlight, kHfRounding>(p, rows, stream);
+      case 64: return launch_v3_fixed<T, 64, kHfRounding>(p, rows, stream);
+      case 128: return launch_v3_fixed<T, 128, kHfRounding>(p, rows, stream);
+      case 256: return launch_v3_fixed<T, 256, kHfRounding>(p, rows, stream);
+      case 512: return launch_v3_fixed<T, 512, kHfRounding>(p, rows, stream);
+      case 1024: return launch_v3_fixed<T, 1024, kHfRounding>(p, rows, stream);
       default: break;
     }
   }
@@ -282,8 +250,7 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
   switch (version) {
     case 1: return launch_v1<T, kHfRounding>(p, rows, stream);
     case 2: return launch_v2<T, kHfRounding>(p, rows, stream);
-    case 3: return launch_vec<T, kV3LoadsInFlight, kHfRounding>(p, rows, stream);
-    default: return launch_vec<T, kV4LoadsInFlight, kHfRounding>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding>(p, rows, stream);
   }
 }
 
@@ -296,7 +263,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 4;
+constexpr int kNumVersions = 3;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

@@ -358,19 +358,19 @@ if nvcc_report.nvcc() is None:
     print("nvcc is not on PATH: skipping the compiler's resource report (CI and GPU machines have it).")
 else:
     kernels = nvcc_report.compile_header(OP)
-    # v1 and v2 take any head_dim; v3 and v4 are one vector kernel, templated on head_dim and on
-    # the rows each lane group keeps in flight (v3: 1; v4: 2 at head_dim 128 in bf16).
-    name = re.compile(r"qk_norm_(?:v(\d+)_kernel<__nv_bfloat16, |vec_kernel<__nv_bfloat16, (128), (\d+), )(true|false)>")
+    # Demangled "qk_norm_v3_kernel<__nv_bfloat16, 128, false>", or the mangled
+    # "qk_norm_v3_kernelI13__nv_bfloat16Li128ELb0E" where no demangler is installed.
+    name = re.compile(r"qk_norm_v(\d+)_kernel(?:<__nv_bfloat16, (?:(\d+), )?(true|false)>|I13__nv_bfloat16(?:Li(\d+)E)?Lb([01])E)")
     print(f"{OP}.cuh compiled for {nvcc_report.DEFAULT_ARCH}: {len(kernels)} kernels; bf16, head_dim 128:\n")
     table = []
     for k in kernels:
         m = name.search(k.kernel)
-        if not m:
+        if not m or (m.group(2) or m.group(4)) not in (None, "128"):
             continue
+        hf = m.group(3) == "true" or m.group(5) == "1"
         per_warp = -(-k.registers * 32 // REGISTER_ALLOC_UNIT) * REGISTER_ALLOC_UNIT
         warps = min(MAX_WARPS_PER_SM, REGISTERS_PER_SM // per_warp)
-        version = int(m.group(1)) if m.group(1) else (3 if m.group(3) == "1" else 4)
-        table.append((version, "hf" if m.group(4) == "true" else "fused", k.registers, k.spill_bytes, warps))
+        table.append((int(m.group(1)), "hf" if hf else "fused", k.registers, k.spill_bytes, warps))
     print("| version | rounding | registers | spill bytes | warps/SM the registers allow |")
     print("|---|---|---|---|---|")
     for version, rounding, registers, spills, warps in sorted(table):
