@@ -86,6 +86,7 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _cuda("qk_norm", 1, "one thread per (token, head) row, the naive port: a warp's loads are head_dim elements apart (uncoalesced)"),
         _cuda("qk_norm", 2, "one warp per (token, head) with a shuffle reduction: lanes read neighbouring elements (coalesced) - removes v1's scattered loads"),
         _cuda("qk_norm", 3, "16-byte vectors held in registers, lanes sized to the head, q and k on a persistent grid with the weights loaded once per thread - removes v2's second read and narrow loads"),
+        _cuda("qk_norm", 4, "a 32-bit row -> (token, head) division where rows < 2^32 - removes most of v3's per-row index arithmetic"),
         Impl("qk_norm", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
     ],

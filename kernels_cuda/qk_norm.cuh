@@ -11,9 +11,12 @@
 // v1: one thread per (token, head) row, the naive port: a warp's loads are head_dim elements apart (uncoalesced)
 // v2: one warp per (token, head) with a shuffle reduction: lanes read neighbouring elements (coalesced) - removes v1's scattered loads
 // v3: 16-byte vectors held in registers, lanes sized to the head, q and k on a persistent grid with the weights loaded once per thread - removes v2's second read and narrow loads
+// v4: a 32-bit row -> (token, head) division where rows < 2^32 - removes most of v3's per-row index arithmetic
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
+
+#include <type_traits>
 
 #include "include/common.cuh"
 
@@ -43,11 +46,15 @@ struct Row {
   bool is_q;
 };
 
-template <typename T>
-__device__ __forceinline__ Row<T> locate_row(const Params& p, int64_t row) {
-  const int heads = p.num_q_heads + p.num_kv_heads;
-  const int64_t token = row / heads;
-  const int head = static_cast<int>(row - token * heads);
+// RowIndex: the type of the row -> (token, head) division. int64_t always works; uint32_t (rows
+// below 2^32) turns a ~70-instruction 64-bit division into a ~20-instruction one. Pointer
+// offsets are 64-bit either way.
+template <typename T, typename RowIndex = int64_t>
+__device__ __forceinline__ Row<T> locate_row(const Params& p, RowIndex row) {
+  const RowIndex heads = static_cast<RowIndex>(p.num_q_heads + p.num_kv_heads);
+  const RowIndex token_index = row / heads;
+  const int head = static_cast<int>(row - token_index * heads);
+  const int64_t token = static_cast<int64_t>(token_index);
   if (head < p.num_q_heads) {
     return {static_cast<T*>(p.q) + token * p.q_token_stride + head * p.q_head_stride, p.q_weight, true};
   }
@@ -131,7 +138,8 @@ struct V3Traits {
   static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
 };
 
-template <typename T, int kHeadDim, bool kHfRounding>
+// v3 divides with RowIndex = int64_t; v4 (below) is this kernel with RowIndex = uint32_t.
+template <typename T, int kHeadDim, bool kHfRounding, typename RowIndex>
 __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_v3_kernel(Params p, int64_t rows) {
   using Tr = V3Traits<T, kHeadDim>;
@@ -159,7 +167,7 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kHeadsPerBlock; first < rows; first += row_stride) {
     const int64_t row = first + head_in_block;
     const bool active = row < rows;
-    const Row<T> r = active ? locate_row<T>(p, row) : Row<T>{nullptr, nullptr, false};
+    const Row<T> r = active ? locate_row<T, RowIndex>(p, static_cast<RowIndex>(row)) : Row<T>{nullptr, nullptr, false};
 
     Vec<T> x[Tr::kVecsPerThread];
 #pragma unroll
@@ -197,6 +205,11 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 }
 
 // ------------------------------------------------------------------------------------------
+// v4: a 32-bit row -> (token, head) division where rows < 2^32 - removes most of v3's per-row index arithmetic
+// The same kernel as v3 with a 32-bit RowIndex (launch_v3_fixed picks it). At 8192 tokens a v3
+// lane spends roughly 200 instructions per 16-byte vector, a 64-bit division among them: the SMs
+// issue for about as long as DRAM takes to move the bytes, so fewer instructions can show.
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -211,10 +224,15 @@ inline void launch_v2(const Params& p, int64_t rows, cudaStream_t stream) {
   qk_norm_v2_kernel<T, kHfRounding><<<static_cast<unsigned>(blocks), kV2Threads, 0, stream>>>(p, rows);
 }
 
-template <typename T, int kHeadDim, bool kHfRounding>
+// kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32.
+template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
+  if constexpr (kVersion >= 4) {
+    if (rows > static_cast<int64_t>(UINT32_MAX)) return launch_v3_fixed<T, kHeadDim, kHfRounding, 3>(p, rows, stream);
+  }
   using Tr = V3Traits<T, kHeadDim>;
-  const auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding>;
+  using RowIndex = std::conditional_t<kVersion >= 4, uint32_t, int64_t>;
+  const auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex>;
   const int64_t needed = (rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock;
   const int64_t resident = persistent_grid_limit(kernel, Tr::kThreadsPerBlock);
   const int64_t blocks = needed < resident ? needed : resident;
@@ -229,15 +247,15 @@ inline bool vector_aligned(const Params& p) {
          p.q_head_stride % kVecElems == 0 && p.k_token_stride % kVecElems == 0 && p.k_head_stride % kVecElems == 0;
 }
 
-template <typename T, bool kHfRounding>
+template <typename T, bool kHfRounding, int kVersion>
 inline void launch_v3(const Params& p, int64_t rows, cudaStream_t stream) {
   if (vector_aligned<T>(p)) {
     switch (p.head_dim) {
-      case 64: return launch_v3_fixed<T, 64, kHfRounding>(p, rows, stream);
-      case 128: return launch_v3_fixed<T, 128, kHfRounding>(p, rows, stream);
-      case 256: return launch_v3_fixed<T, 256, kHfRounding>(p, rows, stream);
-      case 512: return launch_v3_fixed<T, 512, kHfRounding>(p, rows, stream);
-      case 1024: return launch_v3_fixed<T, 1024, kHfRounding>(p, rows, stream);
+      case 64: return launch_v3_fixed<T, 64, kHfRounding, kVersion>(p, rows, stream);
+      case 128: return launch_v3_fixed<T, 128, kHfRounding, kVersion>(p, rows, stream);
+      case 256: return launch_v3_fixed<T, 256, kHfRounding, kVersion>(p, rows, stream);
+      case 512: return launch_v3_fixed<T, 512, kHfRounding, kVersion>(p, rows, stream);
+      case 1024: return launch_v3_fixed<T, 1024, kHfRounding, kVersion>(p, rows, stream);
       default: break;
     }
   }
@@ -250,7 +268,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
   switch (version) {
     case 1: return launch_v1<T, kHfRounding>(p, rows, stream);
     case 2: return launch_v2<T, kHfRounding>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding>(p, rows, stream);
+    case 3: return launch_v3<T, kHfRounding, 3>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 4>(p, rows, stream);
   }
 }
 
@@ -263,7 +282,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 3;
+constexpr int kNumVersions = 4;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
