@@ -31,9 +31,10 @@ _REGS = re.compile(r"Used (\d+) registers")
 
 @dataclass(frozen=True)
 class KernelResources:
-    kernel: str  # demangled name
+    kernel: str  # demangled name (the mangled one where no demangler is installed)
     registers: int
     spill_bytes: int
+    mangled: str = ""  # the same on every machine, whatever demangler it has
 
 
 def nvcc() -> str | None:
@@ -78,7 +79,7 @@ def parse_ptxas(log: str) -> list[KernelResources]:
         elif current and (m := _REGS.search(line)):
             regs[current] = int(m.group(1))
     names = _demangle(mangled)
-    return [KernelResources(name, regs.get(raw, -1), spills.get(raw, 0)) for name, raw in zip(names, mangled)]
+    return [KernelResources(name, regs.get(raw, -1), spills.get(raw, 0), raw) for name, raw in zip(names, mangled)]
 
 
 def main(argv=None) -> int:

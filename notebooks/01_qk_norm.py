@@ -341,6 +341,11 @@ for impl in cuda_versions:
 #   k on a persistent grid sized from occupancy, loading each lane's slice of both weights once.
 #   The head_dim is a template parameter, so the fast path exists for 64, 128, 256, 512 and 1024;
 #   other head_dims or rows not aligned to 16 bytes take the v2 path.
+# * **v4** is v3 with a 32-bit row -> (token, head) division (where rows < 2^32). At 8192 tokens a
+#   lane spends roughly 200 instructions per 16-byte vector, and a 64-bit division is a good share
+#   of them: the SMs issue for about as long as DRAM needs to move the bytes, so removing
+#   instructions shows up in the time. (A v4 that instead kept two rows in flight per lane group,
+#   to double the bytes in flight, measured slower and was reverted: see `docs/qk_norm.md`.)
 #
 # ## 8. What the compiler says: registers per kernel
 #
@@ -358,19 +363,21 @@ if nvcc_report.nvcc() is None:
     print("nvcc is not on PATH: skipping the compiler's resource report (CI and GPU machines have it).")
 else:
     kernels = nvcc_report.compile_header(OP)
-    # Demangled "qk_norm_v3_kernel<__nv_bfloat16, 128, false>", or the mangled
-    # "qk_norm_v3_kernelI13__nv_bfloat16Li128ELb0E" where no demangler is installed.
-    name = re.compile(r"qk_norm_v(\d+)_kernel(?:<__nv_bfloat16, (?:(\d+), )?(true|false)>|I13__nv_bfloat16(?:Li(\d+)E)?Lb([01])E)")
+    # From the mangled names, which read the same whatever demangler a machine has:
+    # qk_norm_v3_kernelI13__nv_bfloat16Li128ELb0ElEE is v3<bf16, head_dim 128, fused, int64 rows>;
+    # v4 is the same kernel with 32-bit rows (j: uint32_t, l: int64_t).
+    name = re.compile(r"qk_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb([01])E([jl])?")
     print(f"{OP}.cuh compiled for {nvcc_report.DEFAULT_ARCH}: {len(kernels)} kernels; bf16, head_dim 128:\n")
     table = []
     for k in kernels:
-        m = name.search(k.kernel)
-        if not m or (m.group(2) or m.group(4)) not in (None, "128"):
+        m = name.search(k.mangled)
+        if not m or m.group(2) not in (None, "128"):
             continue
-        hf = m.group(3) == "true" or m.group(5) == "1"
+        version = 4 if m.group(4) == "j" else int(m.group(1))
+        hf = m.group(3) == "1"
         per_warp = -(-k.registers * 32 // REGISTER_ALLOC_UNIT) * REGISTER_ALLOC_UNIT
         warps = min(MAX_WARPS_PER_SM, REGISTERS_PER_SM // per_warp)
-        table.append((int(m.group(1)), "hf" if hf else "fused", k.registers, k.spill_bytes, warps))
+        table.append((version, "hf" if hf else "fused", k.registers, k.spill_bytes, warps))
     print("| version | rounding | registers | spill bytes | warps/SM the registers allow |")
     print("|---|---|---|---|---|")
     for version, rounding, registers, spills, warps in sorted(table):
@@ -511,7 +518,7 @@ else:
 # reference launches one kernel per ATen op of section 5; the fused kernels launch once). As the
 # token count grows the fused kernels become bandwidth-bound and climb towards the dashed copy
 # line, while the eager reference stays well below it because it moves several times the minimum
-# bytes. If each CUDA C version fixes its flaw, their latency lines are ordered v1, v2, v3 from
+# bytes. If each CUDA C version fixes its flaw, their latency lines are ordered v1, v2, v3, v4 from
 # slowest to fastest at large token counts; the summary printed above the plot says, for each
 # shape, which implementation was fastest on this GPU and how the final version compares with
 # eager PyTorch and `torch.compile`.

@@ -25,7 +25,9 @@ def cuda_registers(op: str) -> dict[int, str]:
     """{version: "R regs, S B spill"} for the bf16 fused-rounding kernels, or {} without nvcc."""
     if nvcc_report.nvcc() is None:
         return {}
-    name = re.compile(rf"{op}_v(\d+)_kernel<__nv_bfloat16, (?:(\d+), )?false>")
+    # Extra template arguments after the rounding flag (qk_norm's row index type) are allowed;
+    # a version that reuses an earlier version's kernel (qk_norm v4) has no row of its own.
+    name = re.compile(rf"{op}_v(\d+)_kernel<__nv_bfloat16, (?:(\d+), )?false(?:, long)?>")
     found = {}
     for kernel in nvcc_report.compile_header(op):
         m = name.search(kernel.kernel)
@@ -41,7 +43,7 @@ def table(op: str) -> str:
     lines = [f"| implementation | level | version | what changed, and which bottleneck it removes | registers ({nvcc_report.DEFAULT_ARCH}) |",
              "|---|---|---|---|---|"]
     for impl in registry.implementations(op):
-        regs = registers.get(impl.version, "-") if impl.level == "cuda" else "-"
+        regs = registers.get(impl.version, "an earlier version's kernel") if impl.level == "cuda" and registers else "-"
         lines.append(f"| `{impl.name}` | {impl.level} | {impl.version or '-'} | {impl.lead} | {regs} |")
     lines += ["", f"({note}; `backend=\"cuda\"` runs `{registry.latest(op, 'cuda').name}`.)"]
     return "\n".join(lines)
