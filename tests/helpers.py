@@ -46,3 +46,21 @@ def run_and_compare(op, impl, inputs, *, eps, weight_offset, rounding):
         actual = inputs[out]
         result = agreement(f"{impl.name}:{out}", actual, exact, rounded, rounding, contract.TOLERANCES[actual.dtype])
         assert result.ok, result.message
+
+
+BACKENDS = ["auto", "reference", "numba", "cuda"]
+
+
+def assert_rejected_untouched(op_fn, args, error, fragment, **kwargs):
+    """`op_fn(**args, **kwargs)` raises `error` whose message holds `fragment` (and describes the
+    tensor when it names a shape), and no tensor argument changed."""
+    tensors = {name: v for name, v in args.items() if isinstance(v, torch.Tensor)}
+    snapshot = {name: v.clone() for name, v in tensors.items()}
+    with pytest.raises(error) as info:
+        op_fn(**args, **kwargs)
+    message = str(info.value)
+    assert fragment in message, message
+    if "got shape" in message:
+        assert "stride" in message and "dtype" in message, f"the error should describe the tensor: {message}"
+    for name, t in tensors.items():
+        assert torch.equal(t, snapshot[name]), f"{name} was modified before the error"

@@ -11,11 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cookbook
-from cookbook import registry
 from cookbook.ops import qk_norm as norm_contract
 from cookbook.ops import qk_norm_rope as contract
 from cookbook.testing import agreement
-from helpers import DEVICE, ON_GPU, clone_inputs, fields, kernel_impls, require, run_and_compare
+from helpers import BACKENDS, assert_rejected_untouched, DEVICE, ON_GPU, clone_inputs, fields, kernel_impls, require, run_and_compare
 
 OP = "qk_norm_rope"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -259,7 +258,7 @@ def test_out_of_range_position_gives_nan_in_rotated_dims(impl, bad_position):
         torch.testing.assert_close(out[1, :, rope_dim:].double(), exact[1, :, rope_dim:], rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference", "numba", "cuda"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_validate_positions_raises_untouched(backend):
     inputs = contract.make_inputs(3, 2, 1, 64, 64, True, torch.bfloat16, DEVICE, seed=8, max_position=10)
     rope = inputs.pop("rope")
@@ -354,32 +353,14 @@ def _bad_cases():
     ]
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference", "numba", "cuda"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("label,make,error,fragment", _bad_cases(), ids=[c[0] for c in _bad_cases()])
 def test_bad_input_is_rejected_untouched(backend, label, make, error, fragment):
-    args = make()
-    tensors = {name: v for name, v in args.items() if isinstance(v, torch.Tensor)}
-    snapshot = {name: v.clone() for name, v in tensors.items()}
-    with pytest.raises(error) as info:
-        cookbook.qk_norm_rope(**args, backend=backend)
-    message = str(info.value)
-    assert fragment in message, message
-    if "got shape" in message:
-        assert "stride" in message and "dtype" in message, f"the error should describe the tensor: {message}"
-    for name, t in tensors.items():
-        assert torch.equal(t, snapshot[name]), f"{name} was modified before the error"
+    assert_rejected_untouched(cookbook.qk_norm_rope, make(), error, fragment, backend=backend)
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the CPU-tensor error of the CUDA backend")
 def test_cpu_tensors_with_cuda_backend():
-    args = _good()
-    before = {n: v.clone() for n, v in args.items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(ValueError, match=r"backend='cuda': expected CUDA tensors, got tensors on cpu"):
-        cookbook.qk_norm_rope(**args, backend="cuda")
-    assert all(torch.equal(args[n], before[n]) for n in before)
+    fragment = "backend='cuda': expected CUDA tensors, got tensors on cpu"
+    assert_rejected_untouched(cookbook.qk_norm_rope, _good(), ValueError, fragment, backend="cuda")
 
-
-def test_registry_lists_every_level():
-    levels = {impl.level for impl in registry.implementations(OP)}
-    assert {"reference", "numba", "cuda", "peer"} <= levels
-    assert registry.latest(OP, "cuda").version == 3

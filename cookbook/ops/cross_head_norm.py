@@ -111,15 +111,7 @@ def _require_packed_heads(name: str, x: torch.Tensor, layout: _Layout) -> None:
 
 
 def check_inputs(q, k, q_weight, k_weight, eps, weight_offset, rounding) -> CrossHeadNormArgs:
-    C.require_tensor("q", q)
-    C.require_tensor("k", k)
-    C.require_activation_dtype("q", q, "[tokens..., q_hidden]")
-    C.require_activation_dtype("k", k, "[tokens..., k_hidden]")
-    if q.dim() < 2:
-        raise ValueError(f"q: expected [tokens..., q_hidden] (at least 2 dims), got {C.describe(q)}")
-    if k.dim() < 2:
-        raise ValueError(f"k: expected [tokens..., k_hidden] (at least 2 dims), got {C.describe(k)}")
-    C.require_same_device_dtype("q", q, "k", k)
+    C.require_q_k(q, k, "[tokens..., q_hidden]", "[tokens..., k_hidden]")
     C.require_tensor("q_weight", q_weight)
     C.require_tensor("k_weight", k_weight)
     q_layout, k_layout = _pick_layouts(q, k, q_weight, k_weight)

@@ -55,17 +55,9 @@ class QKNormArgs:
 
 
 def check_inputs(q, k, q_weight, k_weight, eps, weight_offset, rounding) -> QKNormArgs:
-    C.require_tensor("q", q)
-    C.require_tensor("k", k)
     expect_q = "[tokens..., num_q_heads, head_dim]"
     expect_k = "[tokens..., num_kv_heads, head_dim]"
-    C.require_activation_dtype("q", q, expect_q)
-    C.require_activation_dtype("k", k, expect_k)
-    if q.dim() < 2:
-        raise ValueError(f"q: expected {expect_q} (at least 2 dims), got {C.describe(q)}")
-    if k.dim() < 2:
-        raise ValueError(f"k: expected {expect_k} (at least 2 dims), got {C.describe(k)}")
-    C.require_same_device_dtype("q", q, "k", k)
+    C.require_q_k(q, k, expect_q, expect_k)
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"k: expected [tokens..., num_kv_heads, head_dim={head_dim}] (the head_dim of q), got {C.describe(k)}")
