@@ -5,13 +5,21 @@
 
 One row per registered implementation (name, level, version, lead); CUDA C rows add the
 registers and spill bytes ptxas reports for the bf16 kernels (fused rounding; for the head_dim
-specialized kernels, head_dim 128) when nvcc is on PATH.
+specialized kernels, head_dim 128; for cross_head_norm v3, every vectors-per-thread kernel)
+when nvcc is on PATH.
+
+    python tools/docs_versions.py --occupancy cross_head_norm   # the occupancy table of its page
+
+prints, per bench row width and CUDA C version, the kernel the launcher picks, its block size,
+the registers and shared memory ptxas reports, and the theoretical occupancy those allow on sm_90.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -19,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cookbook import nvcc_report, registry  # noqa: E402
 
 HEAD_DIM = "128"
+# Ops whose integer template argument is 16-byte vectors per thread, not head_dim.
+VECTORS_PER_THREAD_OPS = {"cross_head_norm"}
 
 
 def cuda_registers(op: str) -> dict[int, str]:
@@ -28,30 +38,140 @@ def cuda_registers(op: str) -> dict[int, str]:
     # Extra template arguments after the rounding flag (qk_norm's row index type) are allowed;
     # a version that reuses an earlier version's kernel (qk_norm v4) has no row of its own.
     name = re.compile(rf"{op}_v(\d+)_kernel<__nv_bfloat16, (?:(\d+), )?false(?:, long)?>")
-    found = {}
+    found, per_vectors = {}, {}
     for kernel in nvcc_report.compile_header(op):
         m = name.search(kernel.kernel)
         if m and m.group(2) in (None, HEAD_DIM):
             found[int(m.group(1))] = f"{kernel.registers} regs, {kernel.spill_bytes} B spill"
+        elif m and op in VECTORS_PER_THREAD_OPS:
+            per_vectors.setdefault(int(m.group(1)), []).append((int(m.group(2)), kernel.registers, kernel.spill_bytes))
+    for version, kernels in per_vectors.items():  # one cell: every vectors-per-thread kernel
+        kernels.sort()
+        found[version] = (f"{'/'.join(str(r) for _, r, _ in kernels)} regs at {'/'.join(str(n) for n, _, _ in kernels)} "
+                          f"vectors per thread, {max(s for _, _, s in kernels)} B spill")
     return found
 
 
 def table(op: str) -> str:
     registers = cuda_registers(op)
-    note = (f"registers: ptxas for {nvcc_report.DEFAULT_ARCH}, bf16, fused rounding, head_dim {HEAD_DIM} where specialized"
+    specialized = "vectors per thread where specialized" if op in VECTORS_PER_THREAD_OPS else f"head_dim {HEAD_DIM} where specialized"
+    note = (f"registers: ptxas for {nvcc_report.DEFAULT_ARCH}, bf16, fused rounding, {specialized}"
             if registers else "registers: nvcc not found, not reported")
     lines = [f"| implementation | level | version | what changed, and which bottleneck it removes | registers ({nvcc_report.DEFAULT_ARCH}) |",
              "|---|---|---|---|---|"]
     for impl in registry.implementations(op):
-        regs = registers.get(impl.version, "an earlier version's kernel") if impl.level == "cuda" and registers else "-"
+        regs = registers.get(impl.version, "see the notebook's register table") if impl.level == "cuda" and registers else "-"
         lines.append(f"| `{impl.name}` | {impl.level} | {impl.version or '-'} | {impl.lead} | {regs} |")
     lines += ["", f"({note}; `backend=\"cuda\"` runs `{registry.latest(op, 'cuda').name}`.)"]
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------------------------
+# Theoretical occupancy (cross_head_norm): registers, threads and shared memory per CTA -> CTAs per SM.
+# --------------------------------------------------------------------------------------------
+# sm_90 (H100, H200) limits, as CUDA's occupancy calculator (cuda_occupancy.h) uses them.
+SM90_REGISTERS = 65536  # 32-bit registers per SM, in 4 sub-partitions; a warp's registers come from one
+SM90_SUB_PARTITIONS = 4
+SM90_REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
+SM90_MAX_WARPS = 64
+SM90_MAX_CTAS = 32
+SM90_SHARED_BYTES = 233472  # 228 KiB per SM
+SM90_SHARED_RESERVED = 1024  # the system's shared memory per CTA
+SM90_SHARED_UNIT = 128
+WARP = 32
+
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def ptxas_shared_bytes(op: str) -> dict[str, int]:
+    """{mangled kernel: static shared bytes}: nvcc_report's compile again, reading the smem ptxas reports."""
+    with tempfile.TemporaryDirectory() as tmp:
+        unit = Path(tmp) / f"{op}_all.cu"
+        unit.write_text(f'#include "{op}.cuh"\nauto const keep_{op} = &cookbook::{op}::launch;\n')
+        cmd = [nvcc_report.nvcc(), *nvcc_report.NVCC_FLAGS, f"-arch={nvcc_report.DEFAULT_ARCH}",
+               f"-I{nvcc_report.KERNEL_DIR}", "-Xptxas", "-v", "-c", str(unit), "-o", str(Path(tmp) / "unit.o")]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    found, current = {}, None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            current = m.group(1)
+        elif current and (m := _SMEM.search(line)):
+            found[current] = int(m.group(1))
+    return found
+
+
+def theoretical_occupancy(registers: int, threads: int, shared_bytes: int) -> tuple[int, str]:
+    """(resident CTAs per SM, the limit that binds) on sm_90."""
+    warps = -(-threads // WARP)
+    per_warp = -(-registers * WARP // SM90_REG_ALLOC_UNIT) * SM90_REG_ALLOC_UNIT
+    reg_warps = SM90_SUB_PARTITIONS * ((SM90_REGISTERS // SM90_SUB_PARTITIONS) // per_warp)
+    shared = -(-(shared_bytes + SM90_SHARED_RESERVED) // SM90_SHARED_UNIT) * SM90_SHARED_UNIT
+    limits = {"warps": SM90_MAX_WARPS // warps, "registers": reg_warps // warps,  # a tie names the warp cap
+              "shared memory": SM90_SHARED_BYTES // shared, "CTAs": SM90_MAX_CTAS}
+    binding = min(limits, key=limits.get)
+    return limits[binding], binding
+
+
+def _header_constant(header: str, name: str) -> int:
+    return int(re.search(rf"constexpr int {name} = (\d+);", header).group(1))
+
+
+def cross_head_norm_launches(widest: int, elem_bytes: int = 2) -> dict[int, tuple[int, int]]:
+    """{version: (threads per CTA, v3's vectors per thread or 0)} the launchers pick for rows up to
+    `widest` elements (16-byte aligned; the header's constants, launch_v3's rule)."""
+    header = (nvcc_report.KERNEL_DIR / "cross_head_norm.cuh").read_text()
+    v3_threads, v3_max_vecs = _header_constant(header, "kV3MaxThreads"), _header_constant(header, "kV3MaxVecsPerThread")
+    vec_elems = 16 // elem_bytes
+    launches = {1: (_header_constant(header, "kV1Threads"), 0), 2: (_header_constant(header, "kV2Threads"), 0)}
+    vecs = 1
+    while vecs <= v3_max_vecs and widest > v3_threads * vecs * vec_elems:
+        vecs *= 2
+    if vecs <= v3_max_vecs:
+        needed = -(-(widest // vec_elems) // vecs)
+        launches[3] = (-(-needed // WARP) * WARP, vecs)
+    else:
+        launches[3] = launches[2]  # wider rows stream through v2
+    return launches
+
+
+def occupancy_table(op: str = "cross_head_norm") -> str:
+    """Per bench row width and version: kernel, threads, registers, shared memory, CTAs and warps per SM."""
+    if op != "cross_head_norm":
+        raise ValueError("the occupancy table knows cross_head_norm's launchers only")
+    if nvcc_report.nvcc() is None:
+        return "(nvcc not found: no occupancy table)"
+    contract = registry.contract(op)
+    kernels = nvcc_report.compile_header(op)
+    shared = ptxas_shared_bytes(op)
+    name = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E")
+    resources = {}
+    for k in kernels:
+        if m := name.search(k.mangled):
+            resources[(int(m.group(1)), int(m.group(2) or 0))] = (k.registers, shared.get(k.mangled, 0))
+    widths = sorted({max(q_hidden, k_hidden) for _, q_hidden, k_hidden in contract.BENCH_SHAPES})
+    lines = ["| wider row (bf16) | version | kernel | threads/CTA | registers | smem/CTA | CTAs/SM (limit) | warps/SM | theoretical occupancy |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for widest in widths:
+        for version, (threads, vecs) in cross_head_norm_launches(widest).items():
+            kernel_version = 2 if version == 3 and vecs == 0 else version
+            registers, smem = resources[(kernel_version, vecs)]
+            ctas, binding = theoretical_occupancy(registers, threads, smem)
+            warps = ctas * (threads // WARP)
+            kernel = f"v3, {vecs} vector{'s' if vecs > 1 else ''}/thread" if vecs else f"v{kernel_version}"
+            lines.append(f"| {widest} | v{version} | {kernel} | {threads} | {registers} | {smem} B | {ctas} ({binding}) "
+                         f"| {warps} | {100 * warps / SM90_MAX_WARPS:.0f} % |")
+    lines += ["", f"(ptxas for {nvcc_report.DEFAULT_ARCH}, bf16, fused rounding; theoretical occupancy = resident warps / "
+              f"{SM90_MAX_WARPS}, from registers, threads and shared memory per CTA as CUDA's occupancy calculator counts them.)"]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
-    ops = (argv if argv is not None else sys.argv[1:]) or ["qk_norm"]
-    for op in ops:
+    args = (argv if argv is not None else sys.argv[1:]) or ["qk_norm"]
+    if args[0] == "--occupancy":
+        for op in args[1:] or ["cross_head_norm"]:
+            print(occupancy_table(op))
+        return 0
+    for op in args:
         print(table(op))
     return 0
 

@@ -1,0 +1,603 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # `qk_norm_rope`: per-head RMSNorm then rotary embedding of q and k, in one pass
+#
+# The second walkthrough builds on [`01_qk_norm`](01_qk_norm.ipynb): the same per-head RMSNorm,
+# now followed by the rotary embedding (RoPE) in the same kernel. The order is the Triton
+# tutorials' again: why the op exists, its math and contract on a tiny example (NeoX and
+# interleaved pairs, partial rotary), the PyTorch reference, the napkin math, why fusing saves a
+# whole read and write of q and k, the Numba kernel, the numbered CUDA C versions, the
+# compiler's resource report, an agreement check of every implementation, and the benchmark.
+#
+# It runs top to bottom on a laptop: without a GPU the Numba kernel runs under Numba's CUDA
+# simulator on tiny shapes and the benchmark cell shows the recorded GPU results instead. Every
+# number printed below is computed here (or read from a results page the benchmark wrote); the
+# code shown is read from the tested sources, never pasted.
+#
+# **The first cell matters**, as in 01: Numba reads `NUMBA_ENABLE_CUDASIM` once, when it is first
+# imported, so on a machine without a GPU the simulator is switched on before anything imports
+# Numba. `setdefault` leaves an explicit choice of yours alone.
+
+# %%
+import os
+import sys
+from pathlib import Path
+
+import torch  # torch does not import Numba
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # before anything imports numba
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+# Run from a checkout (e.g. `notebooks/`): make its packages importable, whether installed or not.
+ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "cookbook" / "__init__.py").exists()), None)
+if ROOT is not None and str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+print(f"device: {torch.cuda.get_device_name() if ON_GPU else 'CPU only'}; "
+      f"NUMBA_ENABLE_CUDASIM={os.environ.get('NUMBA_ENABLE_CUDASIM', '0')}; torch {torch.__version__}")
+
+# %%
+import inspect
+import json
+import re
+
+import cookbook
+from cookbook import bench, nvcc_report, registry
+from cookbook.testing import agreement
+
+OP = "qk_norm_rope"
+contract = registry.contract(OP)  # the contract module cookbook/ops/qk_norm_rope.py
+ROOT = ROOT or bench.REPO_ROOT
+EPS = 1e-6
+torch.set_printoptions(precision=4, linewidth=120, sci_mode=False)
+
+# %% [markdown]
+# ## 1. Motivation: QK norm, then RoPE, on every attention layer
+#
+# The diffusion transformers FLUX and Qwen-Image normalize the queries and keys **per head**
+# (RMSNorm over `head_dim`, as Qwen3 does) and then apply the rotary embedding, in every
+# attention layer of every denoising step. In essence:
+#
+# ```python
+# q = q_norm(q_proj(x).view(T, -1, head_dim))     # per-head RMSNorm, weight [head_dim]
+# k = k_norm(k_proj(x).view(T, -1, head_dim))
+# q, k = apply_rope(q, k, cos[pos], sin[pos])     # rotate pairs of dims by a position-dependent angle
+# out = attention(q, k, v)
+# ```
+#
+# FLUX's dual-stream blocks run text and image tokens with different position ranges (our
+# `position_offset`); Qwen-Image and some other models rotate only part of each head (partial
+# rotary, our `rope_dim < head_dim`). At 1024x1024 an image is 4096 tokens of 24 (FLUX) or
+# 32 (Qwen-Image) heads of 128: each of the two steps is a full pass over q and k, and both are
+# memory-bound. Fusing them is the subject of this notebook.
+#
+# ## 2. The math and the contract
+#
+# Per (token, head) row `x`: first `qk_norm`'s `n = x * rsqrt(mean(x^2) + eps) * (w + weight_offset)`,
+# then each pair `(a, b)` of the first `rope_dim` dims of `n` turns by the angle of the token's
+# position. The contract module is the specification (its docstring, from the source):
+
+# %%
+print(contract.__doc__)
+
+# %% [markdown]
+# **Which dims pair up.** `contract.pair_slices` is what the reference uses. For a head of 12
+# dims with `rope_dim = 8` (partial rotary), pair i uses `cos_i, sin_i` of the token's cache row;
+# dims 8 to 11 are not rotated:
+
+# %%
+HEAD_DIM, ROPE_DIM = 12, 8
+for is_neox in (True, False):
+    a_dims, b_dims = contract.pair_slices(ROPE_DIM, is_neox)
+    dims = torch.arange(HEAD_DIM)
+    pairs = ", ".join(f"({a}, {b})" for a, b in zip(dims[a_dims].tolist(), dims[b_dims].tolist()))
+    print(f"{'NeoX (is_neox=True)' if is_neox else 'interleaved (is_neox=False)':<28} pairs i = 0..3: {pairs}; "
+          f"pass-through: {dims[ROPE_DIM:].tolist()}")
+
+# %% [markdown]
+# The same tiny head through the op, in float32 with unit weights so the numbers are easy to
+# read: one token of one q head and one k head, at position 1 of a 4-row cache. The
+# normalized row (from `qk_norm`) and the two layouts:
+
+# %%
+tiny = contract.make_inputs(1, 1, 1, HEAD_DIM, ROPE_DIM, True, torch.float32, "cpu", seed=0, max_position=4)
+tiny["q_weight"].fill_(1.0)
+tiny["k_weight"].fill_(1.0)
+tiny["positions"].fill_(1)
+print(f"cos_sin_cache row 1 (cos_0..3 | sin_0..3): {tiny['cos_sin_cache'][1]}")
+
+normed = {n: t.clone() for n, t in tiny.items() if n not in ("cos_sin_cache", "positions", "rope")}
+cookbook.qk_norm(**normed, eps=EPS, backend="reference")
+print(f"normalized q (qk_norm): {normed['q'][0, 0]}")
+for is_neox in (True, False):
+    run = {n: t.clone() for n, t in tiny.items() if n != "rope"}
+    cookbook.qk_norm_rope(**run, eps=EPS, is_neox=is_neox, backend="reference")
+    y = run["q"][0, 0]
+    untouched = torch.equal(y[ROPE_DIM:], normed["q"][0, 0, ROPE_DIM:])
+    print(f"{'NeoX' if is_neox else 'interleaved':<12} q out: {y}  (dims >= rope_dim equal to the normalized row: {untouched})")
+
+# %% [markdown]
+# Two properties the tests check, visible here: **position 0 is the identity** (cos 1, sin 0:
+# the output is the normalized row), and **an out-of-range position never reads outside the
+# cache**: the kernels cannot raise without a host sync, so such a token's rotated dims come out
+# NaN while its pass-through dims are normalized as usual. `validate_positions=True` checks the
+# range on the host first (one sync) and raises, with nothing written.
+
+# %%
+at_zero = {n: t.clone() for n, t in tiny.items() if n != "rope"}
+at_zero["positions"].fill_(0)
+cookbook.qk_norm_rope(**at_zero, eps=EPS, backend="reference")
+print(f"position 0 leaves the normalized row unchanged: {torch.allclose(at_zero['q'], normed['q'])}")
+
+out_of_range = {n: t.clone() for n, t in tiny.items() if n != "rope"}
+cookbook.qk_norm_rope(**out_of_range, eps=EPS, position_offset=10, backend="reference")  # 1 + 10 >= 4 rows
+print(f"position 1 + offset 10 in a 4-row cache: q out = {out_of_range['q'][0, 0]}")
+
+checked = {n: t.clone() for n, t in tiny.items() if n != "rope"}
+try:
+    cookbook.qk_norm_rope(**checked, eps=EPS, position_offset=10, validate_positions=True, backend="reference")
+except ValueError as error:
+    print(f"validate_positions=True: ValueError: {error}")
+print(f"nothing written: {torch.equal(checked['q'], tiny['q'])}")
+
+# %% [markdown]
+# **Rounding.** `rounding="fused"` keeps the normalized value in float32 registers, rotates it in
+# float32 and rounds once; `rounding="hf"` rounds where Hugging Face does (the norm output, cos
+# and sin, each product and sum, in the activation dtype). In bf16 the two differ in a share of
+# the elements, and `cookbook.testing.agreement` tells them apart: each output passes its own
+# contract and is rejected by the other's.
+
+# %%
+small = contract.make_inputs(4, 2, 1, 64, 64, True, torch.bfloat16, "cpu", seed=0)
+outputs = {}
+for rounding in ("fused", "hf"):
+    run = {n: t.clone() for n, t in small.items()}
+    cookbook.qk_norm_rope(**{n: t for n, t in run.items() if n != "rope"}, eps=EPS, rounding=rounding, backend="reference")
+    outputs[rounding] = run["q"]
+differ = outputs["fused"] != outputs["hf"]
+print(f"bf16 q elements that differ between the two orders: {int(differ.sum())} of {differ.numel()}")
+
+expected = {rounding: contract.expected(small, EPS, 0.0, rounding)["q"] for rounding in ("fused", "hf")}
+tol = contract.TOLERANCES[torch.bfloat16]
+for produced in ("fused", "hf"):
+    for claimed in ("fused", "hf"):
+        exact, hf_reference = expected[claimed]
+        verdict = agreement(f"{produced} output vs {claimed} contract", outputs[produced], exact, hf_reference, claimed, tol)
+        print(("PASS  " if verdict.ok else "REJECT") + f"  {verdict.message}")
+
+# %% [markdown]
+# **Bad input** raises before anything is written, with a message that names the argument, its
+# shape, stride and dtype, and what was expected. Two examples (a cache whose width is not
+# `rope_dim`, float positions):
+
+# %%
+bad_cases = {
+    "rope_dim=6 with an 8-wide cache": dict(rope_dim=6),
+    "float32 positions": dict(positions=tiny["positions"].float()),
+}
+for what, change in bad_cases.items():
+    run = {n: t.clone() for n, t in tiny.items() if n != "rope"}
+    run.update({n: v for n, v in change.items() if n == "positions"})
+    try:
+        cookbook.qk_norm_rope(**run, eps=EPS, **{n: v for n, v in change.items() if n != "positions"})
+    except (TypeError, ValueError) as error:
+        print(f"{what}: {type(error).__name__}: {error}")
+    print(f"  q unchanged: {torch.equal(run['q'], tiny['q'])}")
+
+# %% [markdown]
+# ## 3. The reference
+#
+# The reference is the math in readable PyTorch and the oracle of every test (it also runs in
+# float64 for the exact value). This is the tested source:
+
+# %%
+for fn in (contract.cos_sin_rows, contract.pair_slices, contract.rotate, contract.qk_norm_rope_rows, contract.reference):
+    print(inspect.getsource(fn))
+
+# %% [markdown]
+# ## 4. Napkin math: how fast can it be?
+#
+# A fused kernel must read q and k once and write them once; per token it also reads its
+# position and one cache row, and the weights once per launch. `contract.bytes_moved` is that
+# minimum. The shapes are the benchmark's (`contract.BENCH_SHAPES`), built on the `meta` device
+# (shapes and dtypes only, no memory), divided by a device-to-device copy bandwidth: the
+# practical ceiling of a memory-bound kernel. Until the benchmark cell measures one on this
+# machine we use the figures of `TARGETS.md`.
+
+# %%
+COPY_TB_PER_S_TARGETS = {"H100": 3.0, "H200": 4.2}  # the figures of shared/design/TARGETS.md, not measured here
+NAMED_SHAPES = {  # the issue's named shapes, all in contract.BENCH_SHAPES
+    "decode": (64, 32, 8, 128, 128, True),
+    "flux_1024": (4096, 24, 24, 128, 128, True),
+    "qwen_image_1024": (4096, 32, 32, 128, 128, True),
+    "qwen_image_partial": (4096, 32, 32, 128, 64, True),
+}
+assert all(shape in contract.BENCH_SHAPES for shape in NAMED_SHAPES.values())
+
+
+def meta_case(shape, dtype=torch.bfloat16):
+    """The op's tensors for a benchmark shape, on the meta device, and the shape's label."""
+    inputs, label = contract.bench_case(shape, dtype, "meta")
+    return {n: t for n, t in inputs.items() if n != "rope"}, label
+
+
+def napkin(shape, copy_tb_per_s):
+    tensors, label = meta_case(shape)
+    moved = contract.bytes_moved(**tensors)
+    lines = [f"{label}: {moved / 1e6:.3f} MB moved"]
+    for gpu, tb_per_s in copy_tb_per_s.items():
+        lines.append(f"  at {gpu}'s copy bandwidth {tb_per_s:.2f} TB/s: {moved / (tb_per_s * 1e12) * 1e6:.3f} us")
+    return moved, "\n".join(lines)
+
+
+for name, shape in NAMED_SHAPES.items():
+    print(f"{name}: {napkin(shape, COPY_TB_PER_S_TARGETS)[1]}")
+
+# %% [markdown]
+# At the diffusion shapes the op is a bandwidth problem (tens of microseconds at the copy
+# bandwidth); at the decode shape the bytes take well under a microsecond, so there launch
+# overhead and latency decide.
+#
+# ## 5. Why fusing saves a full read and write of q and k
+#
+# The unfused pipeline every engine started from is two passes: a norm kernel reads q and k and
+# writes them, then a rope kernel reads them again, reads the cache rows, and writes them
+# again. The fused op does the rotation while the normalized row is still in registers. Counting
+# bytes for the unfused pair (the rope pass reading the same cache rows and positions), and for
+# our CUDA C v1, whose norm kernel writes float32 rows to a scratch buffer so that the rotation
+# does not add a rounding the fused contract forbids:
+
+# %%
+def unfused_bytes(shape):
+    tensors, _ = meta_case(shape)
+    q, k = tensors["q"], tensors["k"]
+    act = (q.numel() + k.numel()) * q.element_size()  # q and k once, in the activation dtype
+    scratch = (q.numel() + k.numel()) * 4  # float32 rows
+    fused = contract.bytes_moved(**tensors)  # includes positions, cache rows and weights, read once
+    return fused, fused + 2 * act, fused + 2 * scratch  # + the norm's write and the rope's read of q and k
+
+
+print(f"{'shape':<20} {'fused MB':>9} {'norm + rope MB':>15} {'v1 (fp32 scratch) MB':>21}")
+for name, shape in NAMED_SHAPES.items():
+    fused, pair, v1 = unfused_bytes(shape)
+    print(f"{name:<20} {fused / 1e6:9.1f} {pair / 1e6:15.1f} {v1 / 1e6:21.1f}   "
+          f"(pair {pair / fused:.2f}x, v1 {v1 / fused:.2f}x the fused minimum)")
+
+# %% [markdown]
+# The unfused pair moves about twice the minimum (q and k written and read back once more), and
+# v1's float32 scratch makes the round trip twice as wide in bf16: about three times the
+# minimum. The eager reference is worse still: a `TorchDispatchMode` logs every ATen op it runs
+# on the same meta tensors, charging each op the bytes of its tensor arguments read plus its new
+# result written (on a GPU each is roughly one kernel launch):
+
+# %%
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def nbytes(t):
+    return t.numel() * t.element_size()
+
+
+class OpLog(TorchDispatchMode):
+    """Records (op, bytes read, bytes written) of every ATen op dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and not any(t is i for i in ins)]
+        self.ops.append((func.overloadpacket.__name__, sum(map(nbytes, ins)), sum(map(nbytes, outs))))
+        return out
+
+
+FLUX = NAMED_SHAPES["flux_1024"]
+flux_tensors, flux_label = meta_case(FLUX)
+flux = contract.check_inputs(**flux_tensors, eps=EPS, weight_offset=0.0, rounding="fused",
+                             rope=contract.Rope(*FLUX[5:], FLUX[4]))
+with OpLog() as log:
+    contract.reference(flux.q, flux.k, flux.q_weight, flux.k_weight, flux.cos_sin_cache, flux.positions, flux.eps,
+                       flux.weight_offset, flux.rounding, flux.is_neox, flux.rope_dim, flux.position_offset)
+eager_bytes = sum(read + written for _, read, written in log.ops)
+flux_bytes = contract.bytes_moved(**flux_tensors)
+print(f"{flux_label}: the eager reference dispatches {len(log.ops)} ATen ops, {eager_bytes / 1e6:.0f} MB moved "
+      f"= {eager_bytes / flux_bytes:.1f}x the fused minimum of {flux_bytes / 1e6:.0f} MB")
+
+# %% [markdown]
+# ## 6. The Numba kernel
+#
+# One warp per (token, head) row, q and k rows numbered one after the other so both go in one
+# launch. Each lane reads its elements once into a local array, a warp-level sum gives the row's
+# sum of squares, and the rotation's partner element, which another lane holds, comes over a
+# warp shuffle: for interleaved pairs the neighbouring lane, for NeoX pairs the lane `rope_dim/2`
+# columns away (possibly in another slot). Its docstring and kernel factory, from the source:
+
+# %%
+import kernels_numba.helpers as numba_helpers
+import kernels_numba.qk_norm_rope as numba_qk_norm_rope
+
+print(numba_qk_norm_rope.__doc__)
+print(inspect.getsource(numba_qk_norm_rope.make_qk_norm_rope_kernel))
+
+# %% [markdown]
+# The shuffle comes from the shared helpers. On a GPU it is `shfl_sync`; the simulator has no
+# warp shuffles, so there the lanes exchange values through shared memory, with barriers, which
+# is why the kernel never returns early and every lane makes every shuffle:
+
+# %%
+print(inspect.getsource(numba_helpers._warp_shfl_shuffle))
+print(inspect.getsource(numba_helpers._warp_shfl_shared))
+chosen = "_warp_shfl_shared" if numba_helpers.warp_shfl is numba_helpers._warp_shfl_shared else "_warp_shfl_shuffle"
+print(f"on this machine warp_shfl is {chosen} (simulator: {numba_helpers.SIMULATOR})")
+
+# %% [markdown]
+# ## 7. The CUDA C versions, and the flaw each one fixes
+#
+# The kernels live in the torch-free header `kernels_cuda/qk_norm_rope.cuh` as numbered
+# versions. The registry is the list; each version's lead says what changed and which bottleneck
+# it removes, and a test keeps the header's `// vN:` lines identical to these leads:
+
+# %%
+cuda_versions = registry.implementations(OP, ("cuda",))
+for impl in cuda_versions:
+    print(f"v{impl.version} ({impl.name}): {impl.lead}")
+print(f"\nbackend='cuda' runs the last one: {registry.latest(OP, 'cuda').name}")
+
+# %% [markdown]
+# The kernels, sliced out of the header at the `// vN:` marker that precedes each one (the
+# version list at the top repeats the markers; the last occurrence is the kernel's). v3's
+# launch geometry (`V3Traits`, its derived constants and asserted invariants) stands just above
+# its marker, so it is shown with v3:
+
+# %%
+HEADER = (nvcc_report.KERNEL_DIR / f"{OP}.cuh").read_text()
+RULE = re.compile(r"^// -{20,}$", re.MULTILINE)
+GEOMETRY = re.compile(r"^// v(\d+)'s geometry", re.MULTILINE)  # a version's traits, above its section
+
+
+def version_source(version):
+    """The header text from the `// vN:` line above version N's kernel to the next section rule
+    after its code, or to the next version's geometry block; with its own geometry block first."""
+    start = [m.start() for m in re.finditer(rf"^// v{version}: ", HEADER, re.MULTILINE)][-1]
+    rules = [m.start() for m in RULE.finditer(HEADER, start)]
+    end = rules[1] if len(rules) > 1 else len(HEADER)  # rules[0] closes the version's comment block
+    next_geometry = GEOMETRY.search(HEADER, start, end)
+    if next_geometry:
+        end = next_geometry.start()
+    own = [m for m in GEOMETRY.finditer(HEADER) if int(m.group(1)) == version]
+    geometry = HEADER[own[0].start():[r.start() for r in RULE.finditer(HEADER, own[0].start())][0]] if own else ""
+    return (geometry + HEADER[start:end]).rstrip()
+
+
+for impl in cuda_versions:
+    print(f"{'=' * 100}\n{version_source(impl.version)}\n")
+
+# %% [markdown]
+# Reading them in order:
+#
+# * **v1** is the unfused pair: a warp-per-row norm kernel writes float32 rows to a scratch
+#   buffer, then a thread-per-element rope kernel reads them back, rotates and writes the output.
+#   Two launches and, in bf16, a round trip through memory twice as wide as the activations.
+# * **v2** fuses the two into one warp per (token, head): a lane owns whole (a, b) pairs (for
+#   NeoX it reads both halves, each coalesced across the warp), so no partner exchange is needed.
+#   It reads the row twice (a sum-of-squares pass, then the rotate-and-write pass) with narrow
+#   loads, and every head re-reads its token's cos/sin. It works for any even head_dim and
+#   rope_dim and any alignment, so it is also v3's general path.
+# * **v3** holds the row in registers as 16-byte vectors (qk_norm v3's geometry), fetches the NeoX
+#   partner vector by a shuffle (or from another of the lane's own vectors), reads a token's
+#   cos/sin once for a run of its heads, and runs on a persistent grid. It needs head_dim 64, 128,
+#   256 or 512, 16-byte aligned rows and `rope_dim` a multiple of two vectors (16 elements in
+#   bf16), so that a vector is wholly rotated or wholly passed through; anything else runs v2.
+#
+# ## 8. What the compiler says: registers per kernel
+#
+# `nvcc` alone (no GPU) compiles every kernel of the header; `ptxas -v` reports registers and
+# spills per instantiation. A memory-bound kernel needs many warps in flight to hide DRAM
+# latency, and registers per thread bound how many an SM can hold. The bf16 kernels, every
+# head_dim v3 is specialized for:
+
+# %%
+REGISTERS_PER_SM = 65536  # sm_90 (H100, H200): 64K 32-bit registers per SM
+MAX_WARPS_PER_SM = 64  # sm_90: 2048 threads per SM
+REGISTER_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
+
+if nvcc_report.nvcc() is None:
+    print("nvcc is not on PATH: skipping the compiler's resource report (CI and GPU machines have it).")
+else:
+    kernels = nvcc_report.compile_header(OP)
+    # From the mangled names, which read the same whatever demangler a machine has:
+    # qk_norm_rope_v3_kernelI13__nv_bfloat16Li128ELb0E is v3<bf16, head_dim 128, fused>;
+    # v1 has two kernels, qk_norm_rope_v1_norm_kernel and qk_norm_rope_v1_rope_kernel.
+    name = re.compile(r"qk_norm_rope_v(\d+)_(norm_|rope_)?kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb([01])E")
+    print(f"{OP}.cuh compiled for {nvcc_report.DEFAULT_ARCH}: {len(kernels)} kernels; bf16:\n")
+    table = []
+    for k in kernels:
+        m = name.search(k.mangled)
+        if not m:
+            continue
+        part = (m.group(2) or "").rstrip("_") or "single"
+        per_warp = -(-k.registers * 32 // REGISTER_ALLOC_UNIT) * REGISTER_ALLOC_UNIT
+        warps = min(MAX_WARPS_PER_SM, REGISTERS_PER_SM // per_warp)
+        table.append((int(m.group(1)), part, int(m.group(3) or 0), "hf" if m.group(4) == "1" else "fused",
+                      k.registers, k.spill_bytes, warps))
+    print("| version | kernel | head_dim | rounding | registers | spill bytes | warps/SM the registers allow |")
+    print("|---|---|---|---|---|---|---|")
+    for version, part, head_dim, rounding, registers, spills, warps in sorted(table):
+        print(f"| v{version} | {part} | {head_dim or 'any'} | {rounding} | {registers} | {spills} | {warps} |")
+
+# %% [markdown]
+# (The last column counts registers only; block size and shared memory can lower it further.)
+# v3 holds the whole row as vectors *and* both weight vectors and its cos/sin in registers, so it
+# needs far more registers than v2 and fits fewer warps per SM: fewer bytes in flight, which is
+# one suspect for its distance from the copy line in the benchmark below.
+#
+# ## 9. Does every implementation agree with the contract?
+#
+# We iterate the registry: every implementation that can run on this machine runs on fresh
+# inputs (q and k as strided views into one fused qkv tensor) in float32 and bf16, both rounding
+# orders, and a case with int32 positions, a `position_offset`, Gemma's `weight_offset=1.0` and
+# a bf16 cache; each is checked against the float64 value (fused) or the HF-order reference
+# (hf). Peers are timed below, not checked here; skipped implementations say why. Without a GPU
+# the shapes are tiny (`contract.SIM_SHAPES`: NeoX, and partial interleaved with a rope_dim that
+# is not a power of two): every simulated GPU thread is a Python thread.
+
+# %%
+if ON_GPU:
+    AGREE_SHAPES = [(129, 8, 1, 128, 128, True), (7, 4, 2, 128, 64, False), (5, 4, 2, 96, 40, True)]  # v3, partial, general
+else:
+    AGREE_SHAPES = list(contract.SIM_SHAPES)
+AGREE_CASES = [dict(dtype=dtype, rounding=rounding) for dtype in (torch.float32, torch.bfloat16) for rounding in ("fused", "hf")]
+AGREE_CASES += [dict(dtype=torch.bfloat16, rounding="fused", weight_offset=1.0, position_dtype=torch.int32,
+                     position_offset=5, cache_dtype=torch.bfloat16)]
+
+
+def check(impl, shape, dtype, rounding, weight_offset=0.0, **make):
+    inputs = contract.make_inputs(*shape, dtype=dtype, device=DEVICE, seed=1, fused_qkv=True, **make)
+    want = contract.expected({n: t.clone() for n, t in inputs.items()}, EPS, weight_offset, rounding)
+    a = contract.check_inputs(**inputs, eps=EPS, weight_offset=weight_offset, rounding=rounding)
+    impl.fn(a.q, a.k, a.q_weight, a.k_weight, a.cos_sin_cache, a.positions, a.eps, a.weight_offset, a.rounding,
+            a.is_neox, a.rope_dim, a.position_offset)
+    results = [agreement(n, inputs[n], exact, hf, rounding, contract.TOLERANCES[dtype]) for n, (exact, hf) in want.items()]
+    return all(r.ok for r in results), max(r.max_ulp for r in results), "; ".join(r.message for r in results if not r.ok)
+
+
+failures = 0
+for impl in registry.implementations(OP, ("reference", "numba", "cuda")):  # the peer is timed below
+    reason = impl.unavailable(DEVICE)
+    if reason:
+        print(f"{impl.name:<14} skipped: {reason}")
+        continue
+    verdicts = [(case, check(impl, shape, **case)) for shape in AGREE_SHAPES for case in AGREE_CASES]
+    bad = [(case, v) for case, v in verdicts if not v[0]]
+    failures += len(bad)
+    worst = {dtype: max(v[1] for case, v in verdicts if case["dtype"] == dtype) for dtype in (torch.float32, torch.bfloat16)}
+    print(f"{impl.name:<14} {len(verdicts) - len(bad)} of {len(verdicts)} cases agree; worst error "
+          + ", ".join(f"{str(d).removeprefix('torch.')} {u:.3g} ulp" for d, u in worst.items()))
+    for case, (_, _, message) in bad:
+        print(f"   FAIL {case}: {message}")
+print("\nall runnable implementations agree" if failures == 0 else f"\n{failures} FAILING cases above")
+
+# %% [markdown]
+# ## 10. Side by side: the benchmark
+#
+# On a GPU the next cell calls the cookbook's benchmark (`cookbook.bench.run`, the same code as
+# `python -m cookbook bench`): for every implementation in the registry plus the peers it checks
+# agreement first, then times each by CUDA-graph replay over rotating input sets (median and
+# p20-p80), and reports GB/s from `bytes_moved` and percent of a device-to-device copy measured
+# in the same run. Set `COOKBOOK_BENCH_SHAPES=full` for the whole sweep (the default here,
+# `quick`, times the first, middle and last shapes). Without a GPU it shows the recorded results
+# of the last GPU run in `docs/results/`.
+#
+# The benchmark's shapes are mostly one token count each (the named diffusion shapes differ in
+# heads and rope_dim, not tokens), so besides the harness's own plots (against tokens, for the
+# largest family of shapes that differ only in the token count) we draw one bar per
+# implementation and shape.
+
+# %%
+import matplotlib.pyplot as plt
+
+
+def plot_rows(rows, title):
+    """Percent of copy and latency per shape, one bar per implementation."""
+    timed = [r for r in rows if r["op"] == OP and r["median_us"] is not None]
+    if not timed:
+        print("no timed rows to plot")
+        return
+    labels = list(dict.fromkeys(r["label"] for r in timed))
+    impls = list(dict.fromkeys(r["impl"] for r in timed))
+    width = 0.8 / len(impls)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 1.2 + 0.9 * len(labels)))
+    for ax, (column, label) in zip(axes, reversed(bench.PLOTS.values())):
+        for i, impl in enumerate(impls):
+            values = [next((r[column] for r in timed if r["label"] == s and r["impl"] == impl), 0) for s in labels]
+            ax.barh([y + i * width for y in range(len(labels))], values, height=width, label=impl)
+        if column == "pct_of_copy":
+            ax.axvline(100, color="gray", linestyle="--", linewidth=1, label="device copy")
+        else:
+            ax.set_xscale("log")
+        ax.set_yticks([y + 0.4 - width / 2 for y in range(len(labels))], labels, fontsize="small")
+        ax.invert_yaxis()
+        ax.set_xlabel(label)
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+    axes[0].legend(fontsize="small")
+    axes[1].set_yticklabels([])
+    fig.suptitle(f"{OP}: {title}")
+    fig.tight_layout()
+
+
+def summarize_rows(rows):
+    """Per shape: the fastest implementation and its % of copy; the last CUDA C version vs the peers."""
+    last_cuda = registry.latest(OP, "cuda").name
+    for label in dict.fromkeys(r["label"] for r in rows if r["op"] == OP):
+        timed = [r for r in rows if r["label"] == label and r["median_us"] is not None]
+        if not timed:
+            continue
+        best = min(timed, key=lambda r: r["median_us"])
+        line = f"{label}: fastest {best['impl']} {best['median_us']:.2f} us ({best['pct_of_copy']:.0f} % of copy)"
+        ours = next((r for r in timed if r["impl"] == last_cuda), None)
+        if ours is not None:
+            line += f"; {last_cuda} {ours['pct_of_copy']:.0f} % of copy, " + ", ".join(
+                f"{ours[col]:.2f}x {what}" for col, what in (("x_vs_eager", "vs eager"), ("x_vs_compile", "vs torch.compile"))
+                if ours[col] is not None)
+        print(line)
+
+
+SHAPES = os.environ.get("COOKBOOK_BENCH_SHAPES", "quick")
+if ON_GPU:
+    BENCH_OUT = ROOT / "bench_out" / "notebook_04"
+    bench_rows = bench.run(ops=[OP], shapes=SHAPES, out=BENCH_OUT, write_results=False,
+                           command=f"notebooks/04_qk_norm_rope (cookbook.bench.run, shapes={SHAPES!r})")
+    meta = json.loads((BENCH_OUT / "results.json").read_text())["metadata"]
+    print()
+    measured = {f"this {meta['gpu']} (measured above)": meta["copy_tb_per_s"]}
+    for name, shape in NAMED_SHAPES.items():
+        print(f"{name}: {napkin(shape, measured)[1]}")
+    summarize_rows(bench_rows)
+    plot_rows(bench_rows, meta["gpu"])
+else:
+    print("No CUDA GPU: the benchmark cells were skipped (timings under the simulator mean nothing).")
+    pages = sorted((ROOT / "docs" / "results").glob(f"{OP}_*.md"))
+    if not pages:
+        print("No recorded GPU results in docs/results/ yet: `python -m cookbook bench` on a GPU writes them.")
+    for page in pages:
+        print(f"\nRecorded GPU results, {page.relative_to(ROOT)}:\n")
+        print(page.read_text())
+        recorded = page.with_suffix(".json")
+        if recorded.exists():
+            data = json.loads(recorded.read_text())
+            summarize_rows(data["rows"])
+            plot_rows(data["rows"], f"{data['metadata']['gpu']}, recorded {data['metadata']['date']}")
+
+# %% [markdown]
+# In the plot above (when there is one) we can see the two regimes the napkin math predicted. At
+# one token every implementation is far below the copy line: the time is launch and latency, so
+# one fused launch beats v1's two and the eager reference's many. At the large shapes the fused
+# kernels pull ahead of `torch.compile` and of v1, which pays its float32 scratch round trip,
+# but v3 is still far from the copy line: the next steps are fewer registers per thread (v3
+# holds both weight vectors and the row, section 8) and an Nsight Compute profile. The summary
+# printed above the plot says, per shape, which implementation was fastest on this GPU and how
+# the final version compares with eager PyTorch and `torch.compile`.
+#
+# ## Where to go next
+#
+# * `docs/qk_norm_rope.md`: the op page (contract, versions, caveats, results, what to try next).
+# * `python -m cookbook bench --ops qk_norm_rope --shapes full` on a GPU: the whole sweep,
+#   including the decode shape and every named diffusion shape.
+# * `python -m pytest tests/test_qk_norm_rope.py`: the property tests and negative controls.
