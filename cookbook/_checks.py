@@ -66,17 +66,18 @@ def require_same_device_dtype(a_name: str, a: torch.Tensor, b_name: str, b: torc
         raise TypeError(f"{b_name}: expected the dtype of {a_name} ({a.dtype}), got {describe(b)}")
 
 
-def require_q_k(q, k, expect_q: str, expect_k: str, min_dims: int = 2) -> None:
+def require_q_k(q, k, expect_q: str, expect_k: str, min_dims: int = 2, names=("q", "k")) -> None:
     """The preamble every q/k op shares: tensors of an activation dtype, rank at least
-    `min_dims`, one device and one dtype."""
-    require_tensor("q", q)
-    require_tensor("k", k)
-    require_activation_dtype("q", q, expect_q)
-    require_activation_dtype("k", k, expect_k)
-    for name, x, expect in (("q", q, expect_q), ("k", k, expect_k)):
+    `min_dims`, one device and one dtype. `names`: the arguments' names in the caller's op."""
+    q_name, k_name = names
+    require_tensor(q_name, q)
+    require_tensor(k_name, k)
+    require_activation_dtype(q_name, q, expect_q)
+    require_activation_dtype(k_name, k, expect_k)
+    for name, x, expect in ((q_name, q, expect_q), (k_name, k, expect_k)):
         if x.dim() < min_dims:
             raise ValueError(f"{name}: expected {expect} (at least {min_dims} dims), got {describe(x)}")
-    require_same_device_dtype("q", q, "k", k)
+    require_same_device_dtype(q_name, q, k_name, k)
 
 
 def require_eps(eps) -> float:

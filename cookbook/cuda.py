@@ -100,14 +100,19 @@ def load(op: str) -> None:
     _register_fakes(op)
 
 
+# The torch ops a binding defines, where they are not just `cookbook::<op>`.
+LIBRARY_OPS = {"tp_qk_norm": ("tp_qk_norm_sum_sq", "tp_qk_norm_apply", "tp_qk_norm_fused")}
+
+
 def _register_fakes(op: str) -> None:
-    """Fake (meta) kernel of `torch.ops.cookbook.<op>`: by the house convention every CUDA C op
-    mutates its tensor arguments in place and returns nothing."""
+    """Fake (meta) kernels of the binding's `torch.ops.cookbook.*`: by the house convention every
+    CUDA C op mutates its tensor arguments in place and returns nothing."""
 
     def fake(*args, **kwargs):
         return None
 
-    torch.library.register_fake(f"cookbook::{op}", fake)
+    for name in LIBRARY_OPS.get(op, (op,)):
+        torch.library.register_fake(f"cookbook::{name}", fake)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,3 +134,26 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight
     load("qk_norm_rope")
     torch.ops.cookbook.qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, is_neox,
                                     rope_dim, position_offset, rounding == "hf", version)
+
+
+def tp_qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, group, *, version):
+    """v1: sum-of-squares kernel -> NCCL all-reduce of the [T, 2] sums -> apply kernel (three
+    launches); v2 on: one fused kernel that exchanges the sums through the group's symmetric-memory
+    workspace (`cookbook.tp_workspace`)."""
+    from cookbook.ops.tp_qk_norm import NUM_TENSORS, all_reduce_sum, world_of
+
+    load("tp_qk_norm")
+    hf = rounding == "hf"
+    if version == 1:
+        tp = world_of(group)[1]
+        sum_sq = torch.empty((q.shape[0], NUM_TENSORS), dtype=torch.float32, device=q.device)
+        torch.ops.cookbook.tp_qk_norm_sum_sq(q, k, sum_sq)
+        all_reduce_sum(sum_sq, group)
+        torch.ops.cookbook.tp_qk_norm_apply(q, k, q_weight, k_weight, sum_sq, eps, weight_offset,
+                                            q.shape[1] * tp, k.shape[1] * tp, hf)
+        return
+    from cookbook import tp_workspace
+
+    ws = tp_workspace.get(group)
+    torch.ops.cookbook.tp_qk_norm_fused(q, k, q_weight, k_weight, ws.counters, ws.peer_buffers, ws.status.data_ptr(),
+                                        ws.rank, ws.capacity, eps, weight_offset, hf, version)

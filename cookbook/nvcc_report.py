@@ -51,6 +51,11 @@ def _demangle(names: list[str]) -> list[str]:
     return out.strip().splitlines()
 
 
+# The host launchers a header's binding calls (taking their address instantiates every kernel);
+# `launch` unless listed.
+ENTRY_POINTS = {"tp_qk_norm": ("sum_sq", "apply", "fused")}
+
+
 def compile_header(op: str, arch: str = DEFAULT_ARCH) -> list[KernelResources]:
     """Compile every kernel of `kernels_cuda/<op>.cuh`; raise with nvcc's output on failure."""
     compiler = nvcc()
@@ -58,7 +63,8 @@ def compile_header(op: str, arch: str = DEFAULT_ARCH) -> list[KernelResources]:
         raise RuntimeError("nvcc not found on PATH")
     with tempfile.TemporaryDirectory() as tmp:
         unit = Path(tmp) / f"{op}_all.cu"
-        unit.write_text(f'#include "{op}.cuh"\nauto const keep_{op} = &cookbook::{op}::launch;\n')
+        keep = "".join(f"auto const keep_{entry} = &cookbook::{op}::{entry};\n" for entry in ENTRY_POINTS.get(op, ("launch",)))
+        unit.write_text(f'#include "{op}.cuh"\n{keep}')
         cmd = [compiler, *NVCC_FLAGS, f"-arch={arch}", f"-I{KERNEL_DIR}", "-Xptxas", "-v", "-c", str(unit),
                "-o", str(Path(tmp) / "unit.o")]
         run = subprocess.run(cmd, capture_output=True, text=True)

@@ -28,3 +28,10 @@ def qk_norm_rope_compiled():
     from cookbook.ops.qk_norm_rope import reference
 
     return torch.compile(reference, fullgraph=True, dynamic=False)
+
+
+def tp_qk_norm_all_gather():
+    """The all-gather baseline of tp_qk_norm: gather the shards, normalize, keep this rank's columns."""
+    from cookbook.ops.tp_qk_norm import all_gather_norm
+
+    return all_gather_norm

@@ -62,7 +62,7 @@ class Impl:
             from cookbook import cuda
 
             return cuda.unavailable()
-        if self.level == "peer" and self.name == "torch_compile":
+        if self.level == "peer" and self.name in ("torch_compile", "all_gather"):
             return None
         return "unknown"
 
@@ -110,10 +110,26 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         Impl("qk_norm_rope", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_rope_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
     ],
+    # A collective: every implementation also takes the process group (its last argument).
+    "tp_qk_norm": [
+        Impl("tp_qk_norm", "reference", "reference", 0, "cookbook.ops.tp_qk_norm:reference",
+             "the math in readable PyTorch: local [T, 2] sums of squares, torch.distributed.all_reduce, apply"),
+        Impl("tp_qk_norm", "numba_v1", "numba", 1, "kernels_numba.tp_qk_norm:tp_qk_norm",
+             "the three-step pipeline: a sum-of-squares kernel (block per (token, tensor)), the all-reduce of the [T, 2] sums, an apply kernel"),
+        _cuda("tp_qk_norm", 1, "the three-launch pipeline: a sum-of-squares kernel writes [T, 2] floats, NCCL all-reduces them, an apply kernel re-reads the shard and writes"),
+        _cuda("tp_qk_norm", 2, "one fused kernel: a CTA stages a tile of tokens in shared memory, pushes their partial sums into every peer's symmetric-memory buffer tagged with the call's epoch, waits for the peers' tags, and writes - removes v1's NCCL launch, its latency and the second read of the shard"),
+        Impl("tp_qk_norm", "all_gather", "peer", 0, "cookbook.peers:tp_qk_norm_all_gather",
+             "the naive baseline: all-gather the shards, normalize the gathered rows, keep this rank's columns"),
+    ],
 }
 
 # The op name -> its contract module.
-CONTRACTS = {"qk_norm_rope": "cookbook.ops.qk_norm_rope", "qk_norm": "cookbook.ops.qk_norm", "cross_head_norm": "cookbook.ops.cross_head_norm"}
+CONTRACTS = {"qk_norm_rope": "cookbook.ops.qk_norm_rope", "qk_norm": "cookbook.ops.qk_norm",
+             "cross_head_norm": "cookbook.ops.cross_head_norm", "tp_qk_norm": "cookbook.ops.tp_qk_norm"}
+
+# Ops whose every call is a collective over a process group: the single-process benchmark and
+# tour leave them to `cookbook.bench_tp` (which runs one process per GPU under torchrun).
+DISTRIBUTED_OPS = ("tp_qk_norm",)
 
 
 def ops() -> list[str]:

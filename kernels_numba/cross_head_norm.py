@@ -35,38 +35,58 @@ assert MAX_THREADS % WARP_SIZE == 0 and MAX_THREADS <= MAX_THREADS_PER_BLOCK, "w
 
 
 @functools.cache
+def make_row_sum_sq(act):
+    """Device function: this thread's share of sum(x^2) over row x[t, :] (pass 1)."""
+    load = act.decode
+
+    @cuda.jit(device=True)
+    def row_sum_sq(x, t):
+        sum_sq = np.float32(0.0)
+        for d in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+            xd = load(x[t, d])
+            sum_sq += xd * xd
+        return sum_sq
+
+    return row_sum_sq
+
+
+@functools.cache
+def make_write_row(act, weight):
+    """Device function: this thread's elements of row x[t, :], normalized and scaled, in place (pass 2)."""
+    load, store, round_to, load_w = act.decode, act.encode, act.round_to, weight.decode
+
+    @cuda.jit(device=True)
+    def write_row(x, w, t, rstd, weight_offset, hf):
+        for d in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+            normed = load(x[t, d]) * rstd
+            w_eff = load_w(w[d]) + weight_offset
+            if hf:  # Hugging Face order: round the normalized value and the weight first
+                x[t, d] = store(round_to(normed) * round_to(w_eff))
+            else:  # fused: one rounding at the end
+                x[t, d] = store(normed * w_eff)
+
+    return write_row
+
+
+@cuda.jit(device=True)
+def rstd_from(sum_sq, width, eps):
+    """rsqrt(sum_sq / width + eps), or 0 where that is 0 (eps=0 zero rows stay 0, not NaN)."""
+    mean_sq_eps = sum_sq / width + eps
+    rstd = np.float32(0.0)
+    if mean_sq_eps > 0:
+        rstd = rsqrt(mean_sq_eps)
+    return rstd
+
+
+@functools.cache
 def make_cross_head_norm_kernel(act, q_weight, k_weight):
     """The kernel for activations stored with codec `act` and each weight with its own codec.
 
     Built once per triple of codecs (cached); Numba then compiles it on first launch for the
     argument types it sees (contiguous or strided q and k).
     """
-    load, store, round_to = act.decode, act.encode, act.round_to
-
-    def make_write_row(load_w):
-        @cuda.jit(device=True)
-        def write_row(x, w, t, rstd, weight_offset, hf):
-            """Pass 2: this thread's elements of row x[t, :], normalized and scaled, in place."""
-            for d in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-                normed = load(x[t, d]) * rstd
-                w_eff = load_w(w[d]) + weight_offset
-                if hf:  # Hugging Face order: round the normalized value and the weight first
-                    x[t, d] = store(round_to(normed) * round_to(w_eff))
-                else:  # fused: one rounding at the end
-                    x[t, d] = store(normed * w_eff)
-
-        return write_row
-
-    write_q, write_k = make_write_row(q_weight.decode), make_write_row(k_weight.decode)
-
-    @cuda.jit(device=True)
-    def row_sum_sq(x, t):
-        """This thread's share of sum(x^2) over row x[t, :]."""
-        sum_sq = np.float32(0.0)
-        for d in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-            xd = load(x[t, d])
-            sum_sq += xd * xd
-        return sum_sq
+    row_sum_sq = make_row_sum_sq(act)
+    write_q, write_k = make_write_row(act, q_weight), make_write_row(act, k_weight)
 
     @cuda.jit
     def cross_head_norm_kernel(q, k, q_w, k_w, eps, weight_offset, hf):
@@ -80,12 +100,7 @@ def make_cross_head_norm_kernel(act, q_weight, k_weight):
         else:
             sum_sq = row_sum_sq(k, t)
             hidden = k.shape[1]
-        sum_sq = block_sum(sum_sq)
-
-        mean_sq_eps = sum_sq / np.float32(hidden) + eps
-        rstd = np.float32(0.0)
-        if mean_sq_eps > 0:
-            rstd = rsqrt(mean_sq_eps)
+        rstd = rstd_from(block_sum(sum_sq), np.float32(hidden), eps)
 
         if is_q:
             write_q(q, q_w, t, rstd, weight_offset, hf)

@@ -305,9 +305,9 @@ CODECS = {codec.name: codec for codec in (FP32, FP16, BF16)}
 CODEC_OF = {torch.float32: FP32, torch.float16: FP16, torch.bfloat16: BF16}
 
 
-def _launch_gpu(kernel, blocks, threads, tensors, scalars):
-    """Launch on torch's current stream with zero-copy views of `tensors` (CUDA tensors).
-"""
+def _launch_gpu(kernel, blocks, threads, tensors, scalars, outputs=2):
+    """Launch on torch's current stream with zero-copy views of `tensors` (CUDA tensors): the
+    kernel writes the tensors' own memory, so `outputs` needs no copy-back here."""
     device = tensors[0].device
     with cuda.gpus[device.index]:
         stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
@@ -320,20 +320,20 @@ def _bits_if_bf16(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def _launch_simulated(kernel, blocks, threads, tensors, scalars):
-    """Launch under the simulator on NumPy arrays of `tensors` (CPU tensors): the first two are
-    the outputs (q and k, written in place), the rest read-only inputs.
+def _launch_simulated(kernel, blocks, threads, tensors, scalars, outputs=2):
+    """Launch under the simulator on NumPy arrays of `tensors` (CPU tensors): the first `outputs`
+    are written in place (q and k by default), the rest read-only inputs.
 
     The simulator copies every array in and out and takes contiguous ones only, so strided views
     (fused qkv) travel as contiguous copies, and bfloat16 (unknown to NumPy) as float32 copies
     that the BF16 codec rounds to bfloat16 values; the outputs' copies are copied back."""
     hosts = [t.detach().float() if t.dtype == torch.bfloat16 else t.detach().contiguous() for t in tensors]
     kernel[blocks, threads](*(h.numpy() for h in hosts), *scalars)
-    for t, h in zip(tensors[:2], hosts[:2]):
+    for t, h in zip(tensors[:outputs], hosts[:outputs]):
         if h.data_ptr() != t.data_ptr():
             t.detach().copy_(h)
 
 
-# launch(kernel, blocks, threads, tensors, scalars): the first two tensors are the outputs
-# (written in place), the rest read-only inputs; scalars follow the arrays.
+# launch(kernel, blocks, threads, tensors, scalars, outputs=2): the first `outputs` tensors are
+# written in place, the rest read-only inputs; scalars follow the arrays.
 launch = _launch_simulated if SIMULATOR else _launch_gpu

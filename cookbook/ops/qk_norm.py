@@ -89,9 +89,20 @@ def rms_norm_rows(x, w, eps, weight_offset, rounding, out_dtype=None):
     out_dtype = out_dtype or x.dtype
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
-    mean_sq = xf.square().mean(dim=-1, keepdim=True)
+    rstd = rstd_of(xf.square().mean(dim=-1, keepdim=True), eps)
+    return scale_rows(xf, rstd, w, weight_offset, rounding, out_dtype)
+
+
+def rstd_of(mean_sq, eps):
+    """rsqrt(mean(x^2) + eps), and 0 where that is 0 (eps=0 zero rows stay 0, not NaN)."""
     denom = mean_sq + eps
-    rstd = torch.where(denom > 0, torch.rsqrt(denom), torch.zeros_like(denom))
+    return torch.where(denom > 0, torch.rsqrt(denom), torch.zeros_like(denom))
+
+
+def scale_rows(xf, rstd, w, weight_offset, rounding, out_dtype):
+    """y = x * rstd * (w + weight_offset) from float32/float64 `xf` and a per-row `rstd`, rounded
+    to `out_dtype` once (fused) or in the Hugging Face order (hf)."""
+    acc = xf.dtype
     w_eff = w.to(acc) + weight_offset
     if rounding == "fused":
         return (xf * rstd * w_eff).to(out_dtype)

@@ -1,0 +1,426 @@
+// tp_qk_norm: cross_head_norm over column shards held by tp ranks; only the per-token sums of
+// squares cross GPUs.
+//
+//   rank r holds the columns x_r of each token's q row (and of its k row), and the matching w_r:
+//   sum_sq = sum over ranks r of sum(x_r^2)            the all-reduce: 2 floats per token
+//   y_r    = x_r * rsqrt(sum_sq / full_width + eps) * (w_r + weight_offset)
+//
+// A shard row is a cross_head_norm row cut into tp pieces, so the row access (Params, Row,
+// locate_row) comes from cross_head_norm.cuh; only the width in the mean is the full one.
+//
+// Versions (cookbook/registry.py is the list; tests/test_cuda_sources.py keeps these lines and
+// the registry's leads identical):
+// v1: the three-launch pipeline: a sum-of-squares kernel writes [T, 2] floats, NCCL all-reduces them, an apply kernel re-reads the shard and writes
+// v2: one fused kernel: a CTA stages a tile of tokens in shared memory, pushes their partial sums into every peer's symmetric-memory buffer tagged with the call's epoch, waits for the peers' tags, and writes - removes v1's NCCL launch, its latency and the second read of the shard
+//
+// Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
+// glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
+#pragma once
+
+#include "cross_head_norm.cuh"
+#include "include/common.cuh"
+
+namespace cookbook::tp_qk_norm {
+
+using cross_head_norm::kK;
+using cross_head_norm::kNumTensors;
+using cross_head_norm::kQ;
+using cross_head_norm::locate_row;
+using cross_head_norm::Params;  // this rank's shard: q_hidden / k_hidden are the SHARD widths
+using cross_head_norm::Row;
+
+// ------------------------------------------------------------------------------------------
+// v1: the three-launch pipeline: a sum-of-squares kernel writes [T, 2] floats, NCCL all-reduces them, an apply kernel re-reads the shard and writes
+// Both kernels: grid (tokens, 2), blockIdx.y picks q or k, threads stride over the shard row.
+// The NCCL all-reduce between them is issued by the host (cookbook/cuda.py).
+// ------------------------------------------------------------------------------------------
+constexpr int kV1Threads = 256;
+static_assert(kV1Threads % kWarpSize == 0 && kV1Threads <= kMaxWarpsPerBlock * kWarpSize,
+              "v1: whole warps, at most 1024 threads");
+
+struct ApplyParams {
+  Params shard;
+  const float* sum_sq;  // [T][kNumTensors], summed over every rank
+  float q_full_width;   // q_hidden * tp
+  float k_full_width;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kV1Threads) sum_sq_kernel(Params p, float* sum_sq) {
+  const int tensor = static_cast<int>(blockIdx.y);
+  const Row<T> r = locate_row<T>(p, blockIdx.x, tensor);
+  float partial = 0.f;
+  for (int d = threadIdx.x; d < r.hidden; d += kV1Threads) {
+    const float x = to_float<T>(r.x[d]);
+    partial += x * x;
+  }
+  partial = block_sum(partial);
+  if (threadIdx.x == 0) sum_sq[static_cast<int64_t>(blockIdx.x) * kNumTensors + tensor] = partial;
+}
+
+template <typename T, bool kHfRounding>
+__global__ void __launch_bounds__(kV1Threads) apply_kernel(ApplyParams a) {
+  const int tensor = static_cast<int>(blockIdx.y);
+  const Row<T> r = locate_row<T>(a.shard, blockIdx.x, tensor);
+  const float full_width = tensor == kQ ? a.q_full_width : a.k_full_width;
+  const float rstd = rstd_from(a.sum_sq[static_cast<int64_t>(blockIdx.x) * kNumTensors + tensor], full_width,
+                               a.shard.eps);
+  for (int d = threadIdx.x; d < r.hidden; d += kV1Threads) {  // the second read of the shard
+    const float w = effective_weight<T, kHfRounding>(load_weight<T>(r.w, r.w_is_fp32, d), a.shard.weight_offset);
+    r.x[d] = normalize<T, kHfRounding>(to_float<T>(r.x[d]), rstd, w);
+  }
+}
+
+template <typename T>
+inline void launch_sum_sq(const Params& p, float* sum_sq, cudaStream_t stream) {
+  sum_sq_kernel<T><<<dim3(static_cast<unsigned>(p.num_tokens), kNumTensors), kV1Threads, 0, stream>>>(p, sum_sq);
+}
+
+template <typename T, bool kHfRounding>
+inline void launch_apply(const ApplyParams& a, cudaStream_t stream) {
+  apply_kernel<T, kHfRounding><<<dim3(static_cast<unsigned>(a.shard.num_tokens), kNumTensors), kV1Threads, 0, stream>>>(a);
+}
+
+// ------------------------------------------------------------------------------------------
+// The peer buffers (layout and protocol: cookbook/tp_workspace.py, whose constants these match).
+// Every word is (epoch << 32) | payload; a reader waits until the tag is the current epoch.
+// ------------------------------------------------------------------------------------------
+constexpr int kMaxRanks = 8;
+constexpr int kParities = 2;     // a rank runs at most one call ahead of its peers
+constexpr int kHeaderWords = 3;  // the call's tokens, q shard width, k shard width
+constexpr int kEpochCounter = 0;  // counters[]: the current call's epoch ...
+constexpr int kDoneCounter = 1;   // ... and how many CTAs of this launch have finished
+constexpr int kStatusFlag = 0;    // status[]: 1 once a mismatch was seen; then its details:
+constexpr int kStatusPeer = 1;
+constexpr int kStatusWord = 2;
+constexpr int kStatusTheirs = 3;
+constexpr int kStatusOurs = 4;
+
+struct FusedParams {
+  Params shard;               // num_tokens: this launch's chunk of the call
+  int64_t call_tokens;        // the whole call's T: published in the header
+  float q_full_width;         // q_hidden * tp
+  float k_full_width;
+  uint64_t* buffers[kMaxRanks];  // every rank's buffer, as mapped into this process
+  int rank;
+  int world;
+  int64_t capacity;           // token slots per parity
+  int tokens_per_cta;
+  uint32_t* counters;         // [kEpochCounter, kDoneCounter], this GPU
+  volatile int64_t* status;   // pinned host memory
+};
+
+__device__ __forceinline__ uint64_t tagged(uint32_t epoch, uint32_t payload) {
+  return (static_cast<uint64_t>(epoch) << 32) | payload;
+}
+
+__device__ __forceinline__ uint32_t payload_of(uint64_t word) { return static_cast<uint32_t>(word); }
+
+// A 64-bit store is single-copy atomic: a reader sees the old word or the new one, never a mix,
+// so the tag vouches for its payload without a fence. System scope: the reader is another GPU.
+__device__ __forceinline__ void store_word(uint64_t* addr, uint64_t word) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(word) : "memory");
+}
+
+__device__ __forceinline__ uint64_t wait_for_epoch(const uint64_t* addr, uint32_t epoch) {
+  uint64_t word;
+  do {
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(word) : "l"(addr) : "memory");
+  } while (static_cast<uint32_t>(word >> 32) != epoch);
+  return word;
+}
+
+__device__ __forceinline__ uint64_t* header_word(const FusedParams& p, uint64_t* buffer, int parity, int source,
+                                                 int word) {
+  return buffer + (static_cast<int64_t>(parity) * p.world + source) * kHeaderWords + word;
+}
+
+__device__ __forceinline__ uint64_t* sum_slot(const FusedParams& p, uint64_t* buffer, int parity, int64_t token,
+                                              int tensor, int source) {
+  uint64_t* const slots = buffer + static_cast<int64_t>(kParities) * p.world * kHeaderWords;
+  return slots + ((parity * p.capacity + token) * kNumTensors + tensor) * p.world + source;
+}
+
+__device__ __forceinline__ uint32_t header_payload(const FusedParams& p, int word) {
+  if (word == 0) return static_cast<uint32_t>(p.call_tokens);
+  return static_cast<uint32_t>(word == 1 ? p.shard.q_hidden : p.shard.k_hidden);
+}
+
+// Epochs run 1, 2, ..., 2^32 - 1, 1, ...: 0 is a fresh buffer's tag and never a call's.
+__device__ __forceinline__ uint32_t next_epoch(uint32_t epoch) { return epoch == 0xffffffffu ? 1u : epoch + 1u; }
+
+__device__ __forceinline__ void record_mismatch(const FusedParams& p, int source, int word, uint32_t theirs) {
+  p.status[kStatusPeer] = source;
+  p.status[kStatusWord] = word;
+  p.status[kStatusTheirs] = theirs;
+  p.status[kStatusOurs] = header_payload(p, word);
+  __threadfence_system();  // the details before the flag
+  p.status[kStatusFlag] = 1;
+}
+
+// ------------------------------------------------------------------------------------------
+// v2: one fused kernel: a CTA stages a tile of tokens in shared memory, pushes their partial sums into every peer's symmetric-memory buffer tagged with the call's epoch, waits for the peers' tags, and writes - removes v1's NCCL launch, its latency and the second read of the shard
+// grid.x: tiles of tokens_per_cta tokens; the tile's 2 * tokens rows (q rows, then k rows) go to
+// warps round-robin (warp per row). Four phases:
+//   1. each warp reads its rows once (kElems-element packs: 16 bytes when aligned), keeps them
+//      in the shared-memory tile (kStaged), sums x^2, and lane s stores the row's partial into
+//      rank s's buffer;
+//   2. threads compare every rank's header (tokens, widths) with this call's;
+//   3. if they agree, thread (row, source) waits for that source's tagged partial; the row's
+//      total is summed in rank order (the same float on every rank);
+//   4. each warp normalizes its rows from the tile and writes them; the last CTA to finish
+//      advances the epoch.
+// Latency: a CTA waits once per tile, not once per row, and several tiles per SM are in flight,
+// so the NVLink round trip overlaps other tiles' loads. Rows too wide to stage (kStaged = false)
+// are re-read from global memory in phase 4.
+// ------------------------------------------------------------------------------------------
+constexpr int kFusedThreads = 256;
+constexpr int kFusedWarps = kFusedThreads / kWarpSize;
+constexpr int kMaxTokensPerCta = 8;
+constexpr int kMaxRowsPerCta = kNumTensors * kMaxTokensPerCta;
+constexpr int kTileBytes = 48 * 1024;  // dynamic shared memory a launch gets without opting in
+constexpr int kLoadUnroll = 4;         // packs of a row in flight per lane
+static_assert(kFusedThreads % kWarpSize == 0 && kFusedThreads <= kMaxWarpsPerBlock * kWarpSize,
+              "v2: whole warps, at most 1024 threads");
+static_assert(kMaxRowsPerCta * kMaxRanks <= kFusedThreads, "phase 3 gives each (row, source) pair a thread");
+static_assert(kMaxRanks * kHeaderWords <= kFusedThreads, "phase 2 gives each header word a thread");
+static_assert(kMaxRanks <= kWarpSize, "phase 1: lane s pushes to rank s");
+
+template <typename T, int kElems>
+struct alignas(sizeof(T) * kElems) Pack {
+  T v[kElems];
+};
+
+// Row `row` of a CTA's tile: rows [0, tokens) are q rows, [tokens, 2 * tokens) k rows.
+template <typename T>
+struct TileRow {
+  Row<T> row;
+  int tensor;
+  int64_t token;    // in this launch's chunk
+  int tile_offset;  // elements from the tile's start
+  float full_width;
+};
+
+template <typename T>
+__device__ __forceinline__ TileRow<T> tile_row(const FusedParams& p, int64_t first_token, int tokens, int row) {
+  const int tensor = row < tokens ? kQ : kK;
+  const int i = tensor == kQ ? row : row - tokens;
+  const int offset = tensor == kQ ? i * p.shard.q_hidden : tokens * p.shard.q_hidden + i * p.shard.k_hidden;
+  const float full_width = tensor == kQ ? p.q_full_width : p.k_full_width;
+  return {locate_row<T>(p.shard, first_token + i, tensor), tensor, first_token + i, offset, full_width};
+}
+
+template <typename T, int kElems, bool kHfRounding>
+__device__ __forceinline__ void load_weights(const Row<T>& r, int col, float weight_offset, float (&w)[kElems]) {
+  if constexpr (kElems == Vec<T>::kElems) {
+    cross_head_norm::load_weight_vec<T, kHfRounding>(r.w, r.w_is_fp32, col, weight_offset, w);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) {
+      w[j] = effective_weight<T, kHfRounding>(load_weight<T>(r.w, r.w_is_fp32, col + j), weight_offset);
+    }
+  }
+}
+
+template <typename T, int kElems, bool kStaged, bool kHfRounding>
+__global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
+  using P = Pack<T, kElems>;
+  extern __shared__ __align__(kVecBytes) unsigned char tile_bytes[];
+  __shared__ float partials[kMaxRowsPerCta][kMaxRanks];
+  __shared__ int ranks_agree;
+
+  const uint32_t epoch = *static_cast<volatile uint32_t*>(p.counters + kEpochCounter);
+  const int parity = static_cast<int>(epoch % kParities);
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t first_token = static_cast<int64_t>(blockIdx.x) * p.tokens_per_cta;
+  const int64_t left = p.shard.num_tokens - first_token;
+  const int tokens = left < p.tokens_per_cta ? static_cast<int>(left > 0 ? left : 0) : p.tokens_per_cta;
+  const int rows = kNumTensors * tokens;
+  P* const tile = reinterpret_cast<P*>(tile_bytes);
+
+  if (threadIdx.x == 0) ranks_agree = 1;
+  // Header: this call's shape, from the first CTA, to every rank (itself included).
+  if (blockIdx.x == 0 && threadIdx.x < p.world * kHeaderWords) {
+    const int dest = threadIdx.x / kHeaderWords, word = threadIdx.x % kHeaderWords;
+    store_word(header_word(p, p.buffers[dest], parity, p.rank, word), tagged(epoch, header_payload(p, word)));
+  }
+
+  // Phase 1: read, stage, sum, push.
+  for (int row = warp; row < rows; row += kFusedWarps) {
+    const TileRow<T> t = tile_row<T>(p, first_token, tokens, row);
+    const P* const src = reinterpret_cast<const P*>(t.row.x);
+    P* const staged = tile + t.tile_offset / kElems;
+    const int packs = t.row.hidden / kElems;
+    float sum_sq = 0.f;
+#pragma unroll kLoadUnroll
+    for (int c = lane; c < packs; c += kWarpSize) {
+      const P x = src[c];
+      if constexpr (kStaged) staged[c] = x;
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) {
+        const float xf = to_float<T>(x.v[j]);
+        sum_sq += xf * xf;
+      }
+    }
+    sum_sq = warp_sum(sum_sq);
+    if (lane < p.world) {
+      store_word(sum_slot(p, p.buffers[lane], parity, t.token, t.tensor, p.rank), tagged(epoch, __float_as_uint(sum_sq)));
+    }
+  }
+  __syncthreads();  // ranks_agree is initialized
+
+  // Phase 2: every rank's header must match ours before anyone waits for sums that may never come.
+  if (threadIdx.x < p.world * kHeaderWords) {
+    const int source = threadIdx.x / kHeaderWords, word = threadIdx.x % kHeaderWords;
+    const uint32_t theirs = payload_of(wait_for_epoch(header_word(p, p.buffers[p.rank], parity, source, word), epoch));
+    if (theirs != header_payload(p, word)) {
+      ranks_agree = 0;
+      record_mismatch(p, source, word, theirs);
+    }
+  }
+  __syncthreads();
+  const bool agree = ranks_agree != 0;
+
+  // Phase 3: thread (row, source) waits for that source's partial of the row.
+  if (agree && threadIdx.x < rows * p.world) {
+    const int row = threadIdx.x / p.world, source = threadIdx.x % p.world;
+    const TileRow<T> t = tile_row<T>(p, first_token, tokens, row);
+    const uint64_t* slot = sum_slot(p, p.buffers[p.rank], parity, t.token, t.tensor, source);
+    partials[row][source] = __uint_as_float(payload_of(wait_for_epoch(slot, epoch)));
+  }
+  __syncthreads();
+
+  // Phase 4: normalize the staged rows and write them.
+  for (int row = warp; agree && row < rows; row += kFusedWarps) {
+    const TileRow<T> t = tile_row<T>(p, first_token, tokens, row);
+    float total = 0.f;
+    for (int source = 0; source < p.world; ++source) total += partials[row][source];  // rank order
+    const float rstd = rstd_from(total, t.full_width, p.shard.eps);
+    P* const dst = reinterpret_cast<P*>(t.row.x);
+    const P* const staged = tile + t.tile_offset / kElems;
+    const int packs = t.row.hidden / kElems;
+#pragma unroll kLoadUnroll
+    for (int c = lane; c < packs; c += kWarpSize) {
+      const P x = kStaged ? staged[c] : dst[c];
+      float w[kElems];
+      load_weights<T, kElems, kHfRounding>(t.row, c * kElems, p.shard.weight_offset, w);
+      P y;
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) y.v[j] = normalize<T, kHfRounding>(to_float<T>(x.v[j]), rstd, w[j]);
+      dst[c] = y;
+    }
+  }
+
+  // The last CTA to finish advances the epoch for the next launch (stream order publishes it).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (atomicAdd(p.counters + kDoneCounter, 1u) == gridDim.x - 1) {
+      p.counters[kDoneCounter] = 0;
+      p.counters[kEpochCounter] = next_epoch(epoch);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Launchers (host).
+// ------------------------------------------------------------------------------------------
+inline int sm_count() {
+  static int cached[kMaxDevices] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < kMaxDevices && cached[device] > 0) return cached[device];
+  int sms = 1;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (device < kMaxDevices) cached[device] = sms;
+  return sms;
+}
+
+// Tokens per CTA: as many as the tile holds (at most kMaxTokensPerCta), but no more than it
+// takes to give every SM a CTA: at decode sizes one token per CTA, so the few rows spread out.
+inline int tokens_per_cta(int64_t tokens, int row_pair_bytes) {
+  const int fit = row_pair_bytes > 0 ? kTileBytes / row_pair_bytes : kMaxTokensPerCta;
+  const int64_t spread = (tokens + sm_count() - 1) / sm_count();
+  int64_t chosen = fit < kMaxTokensPerCta ? fit : kMaxTokensPerCta;
+  if (spread < chosen) chosen = spread;
+  return chosen < 1 ? 1 : static_cast<int>(chosen);
+}
+
+template <typename T, int kElems, bool kHfRounding>
+inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
+  const int row_pair_bytes = (p.shard.q_hidden + p.shard.k_hidden) * static_cast<int>(sizeof(T));
+  const bool staged = row_pair_bytes <= kTileBytes;
+  p.tokens_per_cta = staged ? tokens_per_cta(p.shard.num_tokens, row_pair_bytes) : 1;
+  const int64_t ctas = (p.shard.num_tokens + p.tokens_per_cta - 1) / p.tokens_per_cta;
+  const unsigned grid = ctas > 0 ? static_cast<unsigned>(ctas) : 1u;  // no tokens: still publish the header
+  if (staged) {
+    const size_t tile = static_cast<size_t>(p.tokens_per_cta) * row_pair_bytes;
+    fused_kernel<T, kElems, true, kHfRounding><<<grid, kFusedThreads, tile, stream>>>(p);
+  } else {
+    fused_kernel<T, kElems, false, kHfRounding><<<grid, kFusedThreads, 0, stream>>>(p);
+  }
+}
+
+// One launch per chunk of at most `capacity` tokens (each chunk is a call of the protocol).
+template <typename T, bool kHfRounding>
+inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
+  const bool packed = cross_head_norm::vector_aligned<T>(call.shard);
+  int64_t first = 0;
+  do {
+    FusedParams chunk = call;
+    const int64_t left = call.shard.num_tokens - first;
+    chunk.shard.num_tokens = left < call.capacity ? left : call.capacity;
+    chunk.shard.q = static_cast<T*>(call.shard.q) + first * call.shard.q_token_stride;
+    chunk.shard.k = static_cast<T*>(call.shard.k) + first * call.shard.k_token_stride;
+    if (packed) {
+      launch_fused_packs<T, Vec<T>::kElems, kHfRounding>(chunk, stream);
+    } else {
+      launch_fused_packs<T, 1, kHfRounding>(chunk, stream);  // any alignment: one element at a time
+    }
+    first += chunk.shard.num_tokens;
+  } while (first < call.shard.num_tokens);
+}
+
+template <typename F>
+inline cudaError_t dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: f(float{}); break;
+    case DType::kFloat16: f(__half{}); break;
+    case DType::kBFloat16: f(__nv_bfloat16{}); break;
+  }
+  return cudaGetLastError();
+}
+
+inline cudaError_t sum_sq(const Params& p, DType dtype, float* out, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  return dispatch_dtype(dtype, [&](auto tag) { launch_sum_sq<decltype(tag)>(p, out, stream); });
+}
+
+inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cudaStream_t stream) {
+  if (a.shard.num_tokens == 0) return cudaSuccess;
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (hf_rounding) {
+      launch_apply<T, true>(a, stream);
+    } else {
+      launch_apply<T, false>(a, stream);
+    }
+  });
+}
+
+constexpr int kNumVersions = 2;
+
+// The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
+inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
+  if (version < 2 || version > kNumVersions || p.world < 1 || p.world > kMaxRanks) return cudaErrorInvalidValue;
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (hf_rounding) {
+      launch_fused<T, true>(p, stream);
+    } else {
+      launch_fused<T, false>(p, stream);
+    }
+  });
+}
+
+}  // namespace cookbook::tp_qk_norm
