@@ -40,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
                        help="also write a torch.profiler chrome trace of each implementation at the largest shape")
     bench.add_argument("--results-dir", default="docs/results", help="where the docs' results pages go")
     bench.add_argument("--no-results", action="store_true", help="do not write the docs' results pages")
+    bench.add_argument("--nproc", type=int, default=None,
+                       help="GPUs (ranks) for the collective op tp_qk_norm, run under torchrun (default: 2)")
     tour = commands.add_parser("tour", help="the CPU tour under Numba's CUDA simulator")
     tour.add_argument("--ops", nargs="+", metavar="OP", help="ops to run (default: every registered op)")
     return parser
@@ -59,14 +61,29 @@ def main(argv=None) -> int:
         if args.command == "bench":
             print("No CUDA GPU is visible: running the CPU tour (Numba's CUDA simulator) instead.")
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # before anything imports Numba or kernels_numba
-    from cookbook import bench
+    from cookbook import bench, registry
 
     try:
         ops = bench.resolve_ops(args.ops)
     except ValueError as error:
         cli.error(str(error))  # exits with status 2
+    collective = [op for op in ops if op in registry.DISTRIBUTED_OPS]
+    ops = [op for op in ops if op not in registry.DISTRIBUTED_OPS]
     if on_cpu:
-        return exit_status(bench.tour(ops=ops))
+        for op in collective:
+            print(f"{op}: a collective; its CPU checks run under gloo in tests/test_tp_qk_norm.py and "
+                  f"notebooks/03_tp_qk_norm walks through it on one device (virtual TP)")
+        return exit_status(bench.tour(ops=ops)) if ops else 0
+    status = 0
+    if collective:  # one process per GPU, under torchrun (cookbook.bench_tp)
+        from cookbook import bench_tp
+
+        forward = ["--dtype", args.dtype, "--shapes", args.shapes, "--out", args.out, "--results-dir", args.results_dir,
+                   *(["--no-results"] if args.no_results else []),
+                   "--command", shlex.join(["python", "-m", "cookbook", *argv])]
+        status = bench_tp.launch(args.nproc, forward)
+    if not ops:
+        return status
     rows = bench.run(
         ops=ops,
         dtype=args.dtype,
@@ -77,7 +94,7 @@ def main(argv=None) -> int:
         write_results=not args.no_results,
         command=shlex.join(["python", "-m", "cookbook", *argv]),
     )
-    return exit_status(rows)
+    return max(exit_status(rows), status)
 
 
 def exit_status(rows) -> int:

@@ -253,12 +253,16 @@ def run_and_compare(contract, impl_name, fn, inputs, expected, rounding) -> tupl
 
 
 def resolve_ops(ops) -> list[str]:
-    """The ops to run (default: all registered), each checked against the registry."""
+    """The ops to run, each checked against the registry. Default: every registered op, the
+    collective ones (registry.DISTRIBUTED_OPS) only where two GPUs can run them."""
     known = registry.ops()
     unknown = [op for op in ops or () if op not in known]
     if unknown:
         raise ValueError(f"unknown op(s) {unknown}: the registry has {known}")
-    return list(ops or known)
+    if ops:
+        return list(ops)
+    multi_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    return [op for op in known if multi_gpu or op not in registry.DISTRIBUTED_OPS]
 
 
 def split_available(op: str, device) -> tuple[list, list]:
@@ -298,7 +302,7 @@ def tour(ops=None, shapes=None, dtypes=TOUR_DTYPES, roundings=ROUNDINGS, echo=pr
     leading positional arguments of the contract's ``make_inputs``).
     """
     request_simulator()
-    ops = resolve_ops(ops)
+    ops = [op for op in resolve_ops(ops) if op not in registry.DISTRIBUTED_OPS]  # collectives: cookbook.bench_tp
     rows = []
     for op in ops:
         contract = registry.contract(op)
@@ -614,7 +618,7 @@ def run(ops=None, dtype=DEFAULT_DTYPE, shapes="full", out="bench_out", *, profil
     if not torch.cuda.is_available():
         raise RuntimeError("bench.run needs a CUDA GPU; on a CPU, bench.tour() checks the implementations")
     dtype = resolve_dtype(dtype)
-    ops = resolve_ops(ops)
+    ops = [op for op in resolve_ops(ops) if op not in registry.DISTRIBUTED_OPS]  # collectives: cookbook.bench_tp
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plan = _plan(ops, shapes)

@@ -1,0 +1,295 @@
+"""The benchmark of the collective op `tp_qk_norm`: one process per GPU, under torchrun.
+
+``python -m cookbook bench --ops tp_qk_norm [--nproc N]`` starts ``torchrun --nproc-per-node N
+-m cookbook.bench_tp ...`` (N: 2 by default, or every visible GPU if fewer); each rank then runs
+this module on its own GPU, in one NCCL group (NVLink multicast stays off: the environment's
+NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are passed on).
+
+For every shape of ``tp_qk_norm.BENCH_SHAPES`` (tokens, full q width, full k width), each rank
+holds its shard (q and k as views into one fused qkv shard) and times, side by side:
+
+* every registered implementation (the all-gather baseline, the eager reference: sum of squares
+  -> NCCL all-reduce -> apply, the Numba pipeline, each CUDA C version), after a correctness check
+  of one call against the gathered float64 reference;
+* the communication alone: the NCCL all-reduce of the ``[T, 2]`` sums, and PyTorch's
+  symmetric-memory one-shot all-reduce of the same tensor;
+* the same shard's single-GPU `cross_head_norm` (its fastest CUDA C version), no communication:
+  the time the fused kernel should approach once communication is hidden.
+
+Timing: a CUDA graph of K calls (cycling through rotating input sets, as in `cookbook.bench`) is
+captured on every rank; each replay starts after a cross-rank barrier and is timed with CUDA
+events; per call = replay / K. A row reports the slowest rank's median (a collective is as fast
+as its last rank) and that rank's p20-p80. Rank 0 writes the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cookbook import bench, registry
+from cookbook.ops import tp_qk_norm as tp
+from cookbook.testing import agreement
+
+OP = "tp_qk_norm"
+TIMED_REPLAYS = 20
+WARMUP_REPLAYS = 5
+TARGET_REPLAY_US = 300.0
+MAX_CALLS_PER_REPLAY = 256
+DEFAULT_NPROC = 2
+MEMORY_BUDGET_FRACTION = 0.25
+# Extra rows besides the registry's implementations.
+NCCL_SUMS = "nccl_all_reduce_sums"
+SYMM_MEM_SUMS = "symm_mem_one_shot_sums"
+LOCAL_SHARD = "local_cross_head_norm"
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# --------------------------------------------------------------------------------------------
+# Launching under torchrun.
+# --------------------------------------------------------------------------------------------
+def under_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(nproc: int | None, argv: list[str]) -> int:
+    """Run this module under torchrun with `nproc` ranks (default: 2, or the visible GPUs if fewer)."""
+    gpus = torch.cuda.device_count()
+    nproc = nproc or min(DEFAULT_NPROC, gpus)
+    if nproc < 2 or nproc > gpus:
+        print(f"{OP}: needs 2..{gpus} ranks with one GPU each; {gpus} GPU(s) visible, asked for {nproc}: skipped")
+        return 0
+    env = {**os.environ, **MULTICAST_OFF}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "cookbook.bench_tp", *argv]
+    print("$", shlex.join(cmd), flush=True)
+    return subprocess.run(cmd, env=env).returncode
+
+
+# --------------------------------------------------------------------------------------------
+# One rank's measurements.
+# --------------------------------------------------------------------------------------------
+def time_per_call(fn, arg_sets, calls: int) -> tuple[list[float], str]:
+    """Per-call microseconds of `calls` calls of fn per replay (graph, or a loop if capture fails)."""
+    bench._warm_up(fn, arg_sets)
+    graph, why_loop = bench._capture(fn, arg_sets, calls)
+    replay = graph.replay if graph is not None else (lambda: bench._launch(fn, arg_sets, calls))
+    for _ in range(WARMUP_REPLAYS):
+        replay()
+    per_replay = []
+    for _ in range(TIMED_REPLAYS):  # each replay alone, after a barrier: every rank starts together
+        dist.barrier()
+        torch.cuda.synchronize()
+        per_replay += bench._time_replays(replay, 1)
+    return [us / calls for us in per_replay], ("loop: " + why_loop if why_loop else "graph")
+
+
+def slowest_rank(summary: dict) -> dict:
+    """The summary of the rank whose median is largest (every rank returns the same dict)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, summary)
+    return max(everyone, key=lambda s: s["median_us"])
+
+
+def make_sets(shape, dtype, rank, world, count):
+    t, q_width, k_width = shape
+    full = tp.make_full_inputs(t, q_width, k_width, dtype, "cuda", seed=0)
+    sets = []
+    for i in range(count):
+        shard = tp.shard_of(full, rank, world)
+        a = tp.check_inputs(**shard, eps=bench.EPS, weight_offset=bench.WEIGHT_OFFSET, rounding="fused")
+        sets.append((a, shard))
+    return full, sets
+
+
+def impl_args(a) -> tuple:
+    return (a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group)
+
+
+def check_once(impl, full, rank, world, dtype) -> str:
+    """"" if one call on fresh shards agrees with the gathered reference, else the report."""
+    shard = tp.shard_of(full, rank, world)
+    a = tp.check_inputs(**shard, eps=bench.EPS, weight_offset=bench.WEIGHT_OFFSET, rounding="fused")
+    impl.build()(*impl_args(a))
+    expected = tp.expected(full, rank, world, bench.EPS, bench.WEIGHT_OFFSET, "fused")
+    bad = []
+    for name in ("q_shard", "k_shard"):
+        exact, rounded = expected[name]
+        r = agreement(f"{impl.name}:{name}", shard[name].cpu(), exact.cpu(), None if rounded is None else rounded.cpu(),
+                      "fused", tp.TOLERANCES[dtype])
+        if not r.ok:
+            bad.append(r.message)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, bad)
+    return "; ".join(f"rank {r}: {m}" for r, msgs in enumerate(everyone) for m in msgs)
+
+
+def extra_rows(shape, sets, group):
+    """(name, fn, per-set args) of the communication-only rows and the single-GPU baseline."""
+    t = shape[0]
+    rows = []
+    sums = [torch.ones((t, tp.NUM_TENSORS), dtype=torch.float32, device="cuda") for _ in sets]
+    rows.append((NCCL_SUMS, lambda s: dist.all_reduce(s, group=group), [(s,) for s in sums]))
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        buf = symm_mem.empty((max(t, 1), tp.NUM_TENSORS), dtype=torch.float32, device="cuda")
+        symm_mem.rendezvous(buf, group.group_name)
+        one_shot = torch.ops.symm_mem.one_shot_all_reduce
+        rows.append((SYMM_MEM_SUMS, lambda b: one_shot(b, "sum", group.group_name), [(buf,)]))
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        rows.append((SYMM_MEM_SUMS, error, None))
+    local = registry.latest("cross_head_norm", "cuda").fn
+    rows.append((LOCAL_SHARD, local, [(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding)
+                                      for a, _ in sets]))
+    return rows
+
+
+def calls_for(call_us: float, sets: int) -> int:
+    return bench.calls_per_replay(sets, call_us) if call_us > 0 else sets
+
+
+def run_shape(shape, dtype, rank, world, group, meta) -> list[dict]:
+    t, q_width, k_width = shape
+    label = f"T={t} q={q_width} k={k_width} (shard {q_width // world}/{k_width // world})"
+    elem = torch.empty((), dtype=dtype).element_size()
+    bytes_per_call = 2 * t * (q_width + k_width) // world * elem
+    budget = int(torch.cuda.get_device_properties(0).total_memory * MEMORY_BUDGET_FRACTION)
+    count = bench.rotating_set_count(bytes_per_call, bytes_per_call, meta["l2_bytes"], budget)
+    full, sets = make_sets(shape, dtype, rank, world, count)
+    rows = []
+    candidates = [(impl.name, impl, None) for impl in registry.implementations(OP)]
+    candidates += [(name, fn, args) for name, fn, args in extra_rows(shape, sets, group)]
+    for name, target, per_set in candidates:
+        row = {"op": OP, "shape": list(shape), "label": label, "impl": name, "median_us": None, "p20_us": None,
+               "p80_us": None, "method": "", "error": ""}
+        try:
+            if isinstance(target, Exception):
+                raise target
+            if per_set is None:  # a registered implementation: check it first
+                row["error"] = check_once(target, full, rank, world, dtype)
+                if row["error"]:
+                    rows.append(row)
+                    continue
+                fn, per_set = target.build(), [impl_args(a) for a, _ in sets]
+            else:
+                fn = target
+            estimate, _ = time_per_call(fn, per_set, len(per_set))
+            call_us = max(bench.percentile(estimate, 50), 0.0)
+            everyone = [None] * world
+            dist.all_gather_object(everyone, call_us)  # one K for every rank: the graphs must match
+            per_call, method = time_per_call(fn, per_set, calls_for(max(everyone), len(per_set)))
+            row.update(slowest_rank(bench.summarize(per_call)), method=method)
+        except Exception as error:  # noqa: BLE001 - one failing row must not end the run
+            row["error"] = bench._error_text(error)
+        if rank == 0:
+            timing = f"{row['median_us']:.2f} us" if row["median_us"] is not None else row["error"]
+            print(f"{label:44s} {name:28s} {timing}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def table(rows) -> str:
+    local = {tuple(r["shape"]): r["median_us"] for r in rows if r["impl"] == LOCAL_SHARD}
+    body = []
+    for r in rows:
+        base = local.get(tuple(r["shape"]))
+        vs_local = f"{r['median_us'] / base:.2f}x" if r["median_us"] and base else "-"
+        timing = [f"{r['median_us']:.2f}", f"{r['p20_us']:.2f}-{r['p80_us']:.2f}", vs_local, r["method"]] \
+            if r["median_us"] is not None else ["-", "-", "-", "-"]
+        error = (r["error"][: bench.MAX_CELL_CHARS] + "...") if len(r["error"]) > bench.MAX_CELL_CHARS else r["error"]
+        body.append([r["label"], r["impl"], *timing, error or "ok"])
+    return bench.markdown_table(["shape", "impl", "median us (slowest rank)", "p20-p80 us", "x local shard",
+                                 "timed by", "check"], body)
+
+
+def write_results(rows, meta, out: Path, results_dir: Path | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{OP}_results.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
+    text = table(rows)
+    print(f"\n{OP} ({meta['dtype']}) on {meta['world']} x {meta['gpu']}\n{text}")
+    if results_dir is None:
+        return
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{OP}_{meta['gpu_slug']}x{meta['world']}"
+    page = [
+        f"# {OP} on {meta['world']} x {meta['gpu']} ({meta['dtype']}, TP={meta['world']})",
+        "",
+        "Written by the benchmark: do not edit by hand, run the command again.",
+        "",
+        f"- GPUs: {meta['world']} x {meta['gpu']} ({meta['sm_count']} SMs each); torch {meta['torch']}, "
+        f"CUDA {meta['cuda']}, NCCL {meta['nccl']}; NVLink multicast off",
+        f"- date: {meta['date']}; commit: {meta['commit']}",
+        f"- command: `{meta['command']}`",
+        f"- timing: {meta['timing']}",
+        f"- x local shard: the row's time over the same shard's single-GPU `cross_head_norm` "
+        f"({LOCAL_SHARD}: no communication)",
+        "",
+        text,
+        "",
+    ]
+    (results_dir / f"{stem}.md").write_text("\n".join(page))
+    (results_dir / f"{stem}.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
+    print(f"wrote {results_dir / (stem + '.md')}")
+
+
+def metadata(command: str, dtype, world: int) -> dict:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "gpu": props.name, "gpu_slug": bench.gpu_slug(props.name), "sm_count": props.multi_processor_count,
+        "l2_bytes": bench.l2_bytes(), "world": world, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": bench.git_commit(), "command": command, "dtype": bench.dtype_name(dtype),
+        "timing": f"median of {TIMED_REPLAYS} CUDA-graph replays (each after a cross-rank barrier, "
+        f"{WARMUP_REPLAYS} warm-up replays), per call = replay / calls per replay, slowest rank",
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cookbook.bench_tp")
+    parser.add_argument("--dtype", default="bfloat16", choices=tuple(bench.DTYPES))
+    parser.add_argument("--shapes", default="full", choices=bench.SHAPE_CHOICES)
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--results-dir", default="docs/results")
+    parser.add_argument("--no-results", action="store_true")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (GPUs) when not already under torchrun")
+    parser.add_argument("--command", default=None, help=argparse.SUPPRESS)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if not under_torchrun():
+        forward = [a for a in argv if not a.startswith("--nproc")]
+        command = shlex.join(["python", "-m", "cookbook.bench_tp", *argv])
+        return launch(args.nproc, [*forward, "--command", args.command or command])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    dtype = bench.resolve_dtype(args.dtype)
+    meta = metadata(args.command or "python -m cookbook.bench_tp", dtype, world)
+    rows = []
+    try:
+        for shape in bench.select_shapes(tp.BENCH_SHAPES, args.shapes):
+            rows += run_shape(shape, dtype, rank, world, group, meta)
+            torch.cuda.empty_cache()
+        if rank == 0:
+            write_results(rows, meta, Path(args.out), None if args.no_results else Path(args.results_dir))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    failed = [r for r in rows if r["error"] and r["impl"] in {i.name for i in registry.implementations(OP)}]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

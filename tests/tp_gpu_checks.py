@@ -1,0 +1,199 @@
+"""The GPU checks of `tp_qk_norm`, one process per GPU: ``torchrun --nproc-per-node N tests/tp_gpu_checks.py``.
+
+`tests/test_gpu_tp_qk_norm.py` runs this under torchrun when at least two GPUs are visible (and
+``--small`` under compute-sanitizer). Every rank runs every check; a check that fails on any rank
+fails on all (the failures are gathered), and the exit status is 1. What it proves:
+
+1. every implementation (reference, Numba, each CUDA C version, the all-gather baseline) and the
+   public op agree with the matching columns of the gathered float64 reference: dtypes, both
+   roundings, float32 weights, fused-qkv views, unaligned views (the one-element path), T = 0;
+2. 1000 consecutive fused calls with varying T and fresh inputs stay correct (buffer reuse);
+3. 8 calls captured in one CUDA graph and replayed (twice, inputs refreshed) stay correct;
+4. eps=0 with all-zero rows finishes and gives zeros;
+5. ranks that disagree on T finish (no hang), leave their shards untouched, and raise on every rank;
+6. a call longer than the workspace runs as several chunks (COOKBOOK_TP_CAPACITY_TOKENS is set small here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("COOKBOOK_TP_CAPACITY_TOKENS", "1024")  # before cookbook.tp_workspace is imported
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from cookbook import registry  # noqa: E402
+from cookbook.ops import tp_qk_norm as tp  # noqa: E402
+from cookbook.testing import agreement  # noqa: E402
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+failures: list[str] = []
+
+
+def check_shards(label, shard, full, rank, world, eps=1e-6, weight_offset=0.0, rounding="fused"):
+    expected = tp.expected(full, rank, world, eps, weight_offset, rounding)
+    for name in ("q_shard", "k_shard"):
+        exact, rounded = expected[name]
+        r = agreement(f"{label}:{name}", shard[name], exact, rounded, rounding, tp.TOLERANCES[shard[name].dtype])
+        if not r.ok:
+            failures.append(r.message)
+
+
+def run(fn, shard, eps=1e-6, weight_offset=0.0, rounding="fused"):
+    a = tp.check_inputs(**shard, eps=eps, weight_offset=weight_offset, rounding=rounding)
+    fn(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group)
+
+
+def check_agreement(rank, world, small):
+    shapes = [(3, 64, 32), (0, 64, 32)] if small else [(1, 6144, 1024), (5, 64, 32), (129, 4096, 512), (0, 64, 32),
+                                                     (300, 1040, 272), (2, 16384, 1024)]
+    impls = registry.implementations(tp.OP)
+    if small:
+        impls = [registry.latest(tp.OP, "cuda")]
+    for t, q_width, k_width in shapes:
+        for dtype in DTYPES if not small else (torch.bfloat16,):
+            for rounding in ("fused", "hf"):
+                for weight_dtype in (None, torch.float32):
+                    full = tp.make_full_inputs(t, q_width, k_width, dtype, "cuda", seed=t + q_width, weight_dtype=weight_dtype)
+                    for impl in impls:
+                        shard = tp.shard_of(full, rank, world)
+                        run(impl.fn, shard, rounding=rounding)
+                        check_shards(f"{impl.name} T={t} {q_width}/{k_width} {dtype} {rounding} w={weight_dtype}",
+                                     shard, full, rank, world, rounding=rounding)
+                    shard = tp.shard_of(full, rank, world)
+                    tp.tp_qk_norm(**shard, rounding=rounding)  # the public op, backend="auto"
+                    check_shards(f"public T={t} {dtype} {rounding}", shard, full, rank, world, rounding=rounding)
+    # Unaligned views (a qkv shard whose q starts one element in): the element-at-a-time path.
+    full = tp.make_full_inputs(7, 96, 48, torch.bfloat16, "cuda", seed=3)
+    shard = tp.shard_of(full, rank, world)
+    base = torch.zeros(7, 1 + shard["q_shard"].shape[1] + shard["k_shard"].shape[1], dtype=torch.bfloat16, device="cuda")
+    q_w = shard["q_shard"].shape[1]
+    base[:, 1 : 1 + q_w] = shard["q_shard"]
+    base[:, 1 + q_w :] = shard["k_shard"]
+    shard = dict(shard, q_shard=base[:, 1 : 1 + q_w], k_shard=base[:, 1 + q_w :])
+    tp.tp_qk_norm(**shard, backend="cuda")
+    check_shards("cuda unaligned", shard, full, rank, world)
+
+
+def check_reuse(rank, world, calls):
+    gen = torch.Generator().manual_seed(1234)  # the same T sequence on every rank
+    for i in range(calls):
+        t = int(torch.randint(1, 300, (1,), generator=gen))
+        full = tp.make_full_inputs(t, 256, 128, torch.bfloat16, "cuda", seed=i)
+        shard = tp.shard_of(full, rank, world)
+        tp.tp_qk_norm(**shard, backend="cuda")
+        if i % 50 == 0 or i == calls - 1:
+            check_shards(f"reuse call {i} T={t}", shard, full, rank, world)
+        else:  # cheap check every call: against the float32 reference on gathered-equivalent math
+            ref = tp.shard_of(full, rank, world)
+            tp.reference(*run_args(ref))
+            for name in ("q_shard", "k_shard"):
+                if not torch.allclose(shard[name].float(), ref[name].float(), rtol=2e-2, atol=1e-2):
+                    failures.append(f"reuse call {i} T={t} {name}: differs from the reference")
+
+
+def run_args(shard):
+    a = tp.check_inputs(**shard, eps=1e-6, weight_offset=0.0, rounding="fused")
+    return a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group
+
+
+def check_graph(rank, world):
+    fulls = [tp.make_full_inputs(16 + 8 * i, 512, 128, torch.bfloat16, "cuda", seed=100 + i) for i in range(8)]
+    shards = [tp.shard_of(f, rank, world) for f in fulls]
+    originals = [{n: v.clone() for n, v in s.items()} for s in shards]
+    tp.tp_qk_norm(**tp.shard_of(fulls[0], rank, world), backend="cuda")  # workspace and build before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for s in shards:
+            tp.tp_qk_norm(**s, backend="cuda")
+    for replay in range(2):
+        for s, o in zip(shards, originals):
+            for n in ("q_shard", "k_shard"):
+                s[n].copy_(o[n])
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (s, f) in enumerate(zip(shards, fulls)):
+            check_shards(f"graph replay {replay} call {i}", s, f, rank, world)
+
+
+def check_zero_rows(rank, world):
+    full = tp.make_full_inputs(64, 512, 128, torch.bfloat16, "cuda", seed=5, kind="zero_rows")
+    for impl in registry.implementations(tp.OP):
+        shard = tp.shard_of(full, rank, world)
+        run(impl.fn, shard, eps=0.0)
+        torch.cuda.synchronize()
+        check_shards(f"{impl.name} eps=0 zero rows", shard, full, rank, world, eps=0.0)
+
+
+def check_mismatch(rank, world):
+    full = tp.make_full_inputs(5 + rank, 256, 128, torch.bfloat16, "cuda", seed=9)
+    shard = tp.shard_of(full, rank, world)
+    before = {n: v.clone() for n, v in shard.items()}
+    tp.tp_qk_norm(**shard, backend="cuda")  # fused: detected on the GPU, raised at the next call
+    torch.cuda.synchronize()
+    for n in ("q_shard", "k_shard"):
+        if not torch.equal(shard[n], before[n]):
+            failures.append(f"mismatch: {n} was modified")
+    try:
+        tp.raise_pending_errors()
+        failures.append("mismatch: no error was raised on this rank")
+    except ValueError as error:
+        if "tokens" not in str(error):
+            failures.append(f"mismatch: unclear error {error}")
+    try:  # the NCCL path raises at the call itself
+        tp.tp_qk_norm(**shard, backend="reference")
+        failures.append("mismatch: the reference path raised nothing")
+    except ValueError:
+        pass
+    full = tp.make_full_inputs(9, 256, 128, torch.bfloat16, "cuda", seed=10)  # and the group still works
+    shard = tp.shard_of(full, rank, world)
+    tp.tp_qk_norm(**shard, backend="cuda")
+    check_shards("after a mismatch", shard, full, rank, world)
+
+
+def check_chunks(rank, world):
+    capacity = int(os.environ["COOKBOOK_TP_CAPACITY_TOKENS"])
+    full = tp.make_full_inputs(2 * capacity + 17, 256, 64, torch.bfloat16, "cuda", seed=11)
+    shard = tp.shard_of(full, rank, world)
+    tp.tp_qk_norm(**shard, backend="cuda")
+    check_shards(f"chunks of {capacity}", shard, full, rank, world)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true", help="one tiny case (for compute-sanitizer)")
+    parser.add_argument("--calls", type=int, default=1000)
+    args = parser.parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = [check_agreement] if args.small else [check_agreement, check_reuse, check_graph, check_zero_rows,
+                                                   check_mismatch, check_chunks]
+    for check in checks:
+        start = time.perf_counter()
+        try:
+            check(rank, world, args.small) if check is check_agreement else \
+                check(rank, world, args.calls) if check is check_reuse else check(rank, world)
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - report it and go on with the next check
+            failures.append(f"{check.__name__}: {traceback.format_exc()}")
+        if rank == 0:
+            print(f"{check.__name__}: {time.perf_counter() - start:.1f} s", flush=True)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, failures)
+    dist.destroy_process_group()
+    bad = [f"rank {r}: {m}" for r, msgs in enumerate(everyone) for m in msgs]
+    if rank == 0:
+        print("\n".join(bad[:40]) if bad else f"tp_qk_norm GPU checks passed on {world} ranks")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
