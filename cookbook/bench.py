@@ -682,7 +682,11 @@ def _largest_shape(contract, shapes, dtype):
 # Outputs: tables, files, plots, docs pages.
 # --------------------------------------------------------------------------------------------
 def git_commit() -> str:
-    """Short HEAD commit, "-dirty" when tracked files changed; "unknown" outside a git checkout."""
+    """Short HEAD commit, "-dirty" when tracked files changed; "unknown" outside a git checkout.
+    COOKBOOK_COMMIT, when set, names it instead (a copy of the tree on a remote GPU machine)."""
+    if os.environ.get("COOKBOOK_COMMIT"):
+        return os.environ["COOKBOOK_COMMIT"]
+
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
 

@@ -18,7 +18,11 @@ collide with stale data (there is no sentinel value that real data could take), 
 reset kernel runs between calls. Two parities suffice: a rank can be at most one call ahead of a
 peer (it cannot finish call n+1 without the peer's call-n+1 sums), so call n+2, the next writer
 of parity n % 2, starts only after every rank has finished reading call n. Epochs skip 0 (the
-value of a fresh buffer) and wrap after 2^32 - 1 calls.
+value of a fresh buffer) and wrap from 2^32 - 1 to 2, keeping the parities alternating; the last
+two launches before the wrap zero the half of their own buffer they used, so no stale word can
+carry a tag that looks current after it. A call longer than `capacity` tokens runs as several
+launches (chunks), one epoch each; when the first chunk finds the ranks disagreeing, the later
+chunks (which the peers may not have) do nothing and leave the epoch alone.
 
 Rank agreement: every call also publishes its token count and shard widths in the header; the
 kernel compares all ranks' headers before waiting on any sum, so ranks that disagree finish
@@ -48,7 +52,7 @@ MAX_RANKS = 8  # the kernel's peer-pointer array (one node)
 CAPACITY_TOKENS = int(os.environ.get("COOKBOOK_TP_CAPACITY_TOKENS", 32768))
 # status words (pinned host memory the kernel writes): flag, peer rank, header word, peer's value, ours
 STATUS_WORDS = 5
-COUNTER_WORDS = 2  # epoch, CTAs done (device memory, int32)
+COUNTER_WORDS = 3  # epoch, CTAs done, the epoch of an abandoned call's later chunks (device memory, int32)
 FIRST_EPOCH = 1
 
 
@@ -105,13 +109,17 @@ def _create(group) -> Workspace | str:
             from torch.distributed import _symmetric_memory as symm_mem
 
             world = dist.get_world_size(group)
-            buffer = symm_mem.empty(buffer_words(world), dtype=torch.int64, device=device)
+            # Chunks must line up across ranks: every rank takes the smallest capacity asked for.
+            capacity = torch.tensor([CAPACITY_TOKENS], dtype=torch.int64, device=device)
+            dist.all_reduce(capacity, op=dist.ReduceOp.MIN, group=group)
+            capacity = int(capacity.item())
+            buffer = symm_mem.empty(buffer_words(world, capacity), dtype=torch.int64, device=device)
             buffer.zero_()  # epoch 0 never matches: a fresh buffer holds no call's data
             handle = symm_mem.rendezvous(buffer, group)
-            counters = torch.tensor([FIRST_EPOCH, 0], dtype=torch.int32, device=device)
+            counters = torch.tensor([FIRST_EPOCH] + [0] * (COUNTER_WORDS - 1), dtype=torch.int32, device=device)
             status = torch.zeros(STATUS_WORDS, dtype=torch.int64).pin_memory()
             workspace = Workspace(buffer, handle, [int(p) for p in handle.buffer_ptrs], counters, status,
-                                  dist.get_rank(group), world, CAPACITY_TOKENS)
+                                  dist.get_rank(group), world, capacity)
         except Exception as error:  # noqa: BLE001 - any failure means: take the NCCL path
             reason = f"symmetric memory rendezvous failed: {type(error).__name__}: {error}"
     # Every rank must take the same path: agree on the least capable rank's answer.

@@ -12,6 +12,7 @@
 // the registry's leads identical):
 // v1: the three-launch pipeline: a sum-of-squares kernel writes [T, 2] floats, NCCL all-reduces them, an apply kernel re-reads the shard and writes
 // v2: one fused kernel: a CTA stages a tile of tokens in shared memory, pushes their partial sums into every peer's symmetric-memory buffer tagged with the call's epoch, waits for the peers' tags, and writes - removes v1's NCCL launch, its latency and the second read of the shard
+// v3: at decode sizes the warps of a CTA share each row, the header check runs beside the wait, and the weights are prefetched into L1 before it - removes v2's serial load rounds and two round trips from the critical path
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -88,8 +89,11 @@ inline void launch_apply(const ApplyParams& a, cudaStream_t stream) {
 constexpr int kMaxRanks = 8;
 constexpr int kParities = 2;     // a rank runs at most one call ahead of its peers
 constexpr int kHeaderWords = 3;  // the call's tokens, q shard width, k shard width
-constexpr int kEpochCounter = 0;  // counters[]: the current call's epoch ...
-constexpr int kDoneCounter = 1;   // ... and how many CTAs of this launch have finished
+constexpr int kEpochCounter = 0;   // counters[]: the current launch's epoch,
+constexpr int kDoneCounter = 1;    // how many CTAs of this launch have finished,
+constexpr int kFailedCounter = 2;  // and the epoch a call's later chunks run at when its first chunk
+                                   // found the ranks disagreeing (they then do nothing)
+constexpr int kNumCounters = 3;
 constexpr int kStatusFlag = 0;    // status[]: 1 once a mismatch was seen; then its details:
 constexpr int kStatusPeer = 1;
 constexpr int kStatusWord = 2;
@@ -105,7 +109,9 @@ struct FusedParams {
   int rank;
   int world;
   int64_t capacity;           // token slots per parity
+  int chunk_index;            // 0: the call's first launch (the one that checks the headers)
   int tokens_per_cta;
+  int slices_per_row;         // v3: warps that share a row (1 in v2)
   uint32_t* counters;         // [kEpochCounter, kDoneCounter], this GPU
   volatile int64_t* status;   // pinned host memory
 };
@@ -146,16 +152,80 @@ __device__ __forceinline__ uint32_t header_payload(const FusedParams& p, int wor
   return static_cast<uint32_t>(word == 1 ? p.shard.q_hidden : p.shard.k_hidden);
 }
 
-// Epochs run 1, 2, ..., 2^32 - 1, 1, ...: 0 is a fresh buffer's tag and never a call's.
-__device__ __forceinline__ uint32_t next_epoch(uint32_t epoch) { return epoch == 0xffffffffu ? 1u : epoch + 1u; }
+// Epochs run 1, 2, ..., 2^32 - 1, then 2, 3, ...: 0 is a fresh buffer's tag and never a launch's,
+// and the parity keeps alternating across the wrap (2^32 - 1 is odd, 2 even).
+constexpr uint32_t kLastEpoch = 0xffffffffu;
+constexpr uint32_t kEpochAfterWrap = 2u;
+static_assert(kLastEpoch % kParities == 1 && kEpochAfterWrap % kParities == 0, "the wrap keeps parities alternating");
+__device__ __forceinline__ uint32_t next_epoch(uint32_t epoch) {
+  return epoch == kLastEpoch ? kEpochAfterWrap : epoch + 1u;
+}
 
-__device__ __forceinline__ void record_mismatch(const FusedParams& p, int source, int word, uint32_t theirs) {
+__device__ __forceinline__ uint32_t read_epoch(const FusedParams& p) {
+  return *static_cast<volatile uint32_t*>(p.counters + kEpochCounter);
+}
+
+// A later chunk of a call whose first chunk found the ranks disagreeing: the peers may have no such
+// chunk, so it neither waits nor advances the epoch (every CTA reads the same marker).
+__device__ __forceinline__ bool chunk_abandoned(const FusedParams& p, uint32_t epoch) {
+  return p.chunk_index > 0 && *static_cast<volatile uint32_t*>(p.counters + kFailedCounter) == epoch;
+}
+
+__device__ __forceinline__ void record_mismatch(const FusedParams& p, uint32_t epoch, int source, int word,
+                                                uint32_t theirs) {
+  if (p.chunk_index == 0) p.counters[kFailedCounter] = next_epoch(epoch);  // the later chunks' epoch
   p.status[kStatusPeer] = source;
   p.status[kStatusWord] = word;
   p.status[kStatusTheirs] = theirs;
   p.status[kStatusOurs] = header_payload(p, word);
   __threadfence_system();  // the details before the flag
   p.status[kStatusFlag] = 1;
+}
+
+// This rank's half `parity` of its own buffer (headers and slots), zeroed by the whole CTA.
+__device__ __forceinline__ void clear_parity(const FusedParams& p, int parity) {
+  uint64_t* const mine = p.buffers[p.rank];
+  for (int i = threadIdx.x; i < p.world * kHeaderWords; i += blockDim.x) {
+    *header_word(p, mine, parity, i / kHeaderWords, i % kHeaderWords) = 0;
+  }
+  uint64_t* const slots = sum_slot(p, mine, parity, 0, kQ, 0);
+  const int64_t words = p.capacity * kNumTensors * p.world;
+  for (int64_t i = threadIdx.x; i < words; i += blockDim.x) slots[i] = 0;
+}
+
+// Every CTA calls it last (all threads): the last CTA to finish advances the epoch for the next
+// launch (stream order publishes it). In the last two launches before the wrap it first zeroes the
+// half of its buffer that launch used: after the wrap no word can carry a tag that looks current.
+// (Safe: no peer writes into that half again before this rank's next launch has started.)
+__device__ __forceinline__ void end_launch(const FusedParams& p, uint32_t epoch, int parity) {
+  __shared__ int is_last_cta;
+  __syncthreads();
+  if (threadIdx.x == 0) is_last_cta = atomicAdd(p.counters + kDoneCounter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last_cta) return;
+  if (epoch >= kLastEpoch - 1) clear_parity(p, parity);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    p.counters[kDoneCounter] = 0;
+    p.counters[kEpochCounter] = next_epoch(epoch);
+  }
+}
+
+// The call's header (tokens, widths), from the first CTA to every rank, itself included.
+__device__ __forceinline__ void publish_header(const FusedParams& p, uint32_t epoch, int parity) {
+  if (blockIdx.x == 0 && threadIdx.x < p.world * kHeaderWords) {
+    const int dest = threadIdx.x / kHeaderWords, word = threadIdx.x % kHeaderWords;
+    store_word(header_word(p, p.buffers[dest], parity, p.rank, word), tagged(epoch, header_payload(p, word)));
+  }
+}
+
+// Header word `i` (source i / kHeaderWords) against this call's; false (and recorded) if it differs.
+__device__ __forceinline__ bool header_agrees(const FusedParams& p, uint32_t epoch, int parity, int i) {
+  const int source = i / kHeaderWords, word = i % kHeaderWords;
+  const uint32_t theirs = payload_of(wait_for_epoch(header_word(p, p.buffers[p.rank], parity, source, word), epoch));
+  if (theirs == header_payload(p, word)) return true;
+  record_mismatch(p, epoch, source, word, theirs);
+  return false;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -229,7 +299,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
   __shared__ float partials[kMaxRowsPerCta][kMaxRanks];
   __shared__ int ranks_agree;
 
-  const uint32_t epoch = *static_cast<volatile uint32_t*>(p.counters + kEpochCounter);
+  const uint32_t epoch = read_epoch(p);
+  if (chunk_abandoned(p, epoch)) return;
   const int parity = static_cast<int>(epoch % kParities);
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
@@ -240,11 +311,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
   P* const tile = reinterpret_cast<P*>(tile_bytes);
 
   if (threadIdx.x == 0) ranks_agree = 1;
-  // Header: this call's shape, from the first CTA, to every rank (itself included).
-  if (blockIdx.x == 0 && threadIdx.x < p.world * kHeaderWords) {
-    const int dest = threadIdx.x / kHeaderWords, word = threadIdx.x % kHeaderWords;
-    store_word(header_word(p, p.buffers[dest], parity, p.rank, word), tagged(epoch, header_payload(p, word)));
-  }
+  publish_header(p, epoch, parity);
 
   // Phase 1: read, stage, sum, push.
   for (int row = warp; row < rows; row += kFusedWarps) {
@@ -271,14 +338,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
   __syncthreads();  // ranks_agree is initialized
 
   // Phase 2: every rank's header must match ours before anyone waits for sums that may never come.
-  if (threadIdx.x < p.world * kHeaderWords) {
-    const int source = threadIdx.x / kHeaderWords, word = threadIdx.x % kHeaderWords;
-    const uint32_t theirs = payload_of(wait_for_epoch(header_word(p, p.buffers[p.rank], parity, source, word), epoch));
-    if (theirs != header_payload(p, word)) {
-      ranks_agree = 0;
-      record_mismatch(p, source, word, theirs);
-    }
-  }
+  if (threadIdx.x < p.world * kHeaderWords && !header_agrees(p, epoch, parity, threadIdx.x)) ranks_agree = 0;
   __syncthreads();
   const bool agree = ranks_agree != 0;
 
@@ -312,14 +372,128 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
     }
   }
 
-  // The last CTA to finish advances the epoch for the next launch (stream order publishes it).
+  end_launch(p, epoch, parity);
+}
+
+// ------------------------------------------------------------------------------------------
+// v3: at decode sizes the warps of a CTA share each row, the header check runs beside the wait, and the weights are prefetched into L1 before it - removes v2's serial load rounds and two round trips from the critical path
+// v2 gives a row to one warp: a 3072-wide bf16 shard row is 12 packs per lane, three dependent
+// rounds of loads before the partial sum can leave, while 6 of the 8 warps of a one-token CTA
+// idle. Here the tile's rows are cut into `slices_per_row` slices (8 warps / rows, at least 1),
+// one warp per (row, slice): one round of loads. The slices' sums meet in shared memory in a fixed
+// order. Threads [0, rows * world) then push and wait, while the top threads check the headers:
+// a mismatch stops the waits (they poll the shared flag too), so nothing can hang, but a match
+// costs no extra round trip. The weight lines phase 4 will read are prefetched into L1 in phase 1.
+// ------------------------------------------------------------------------------------------
+static_assert(kMaxRowsPerCta >= kFusedWarps, "v3: (row, slice) units never outnumber kMaxRowsPerCta");
+static_assert(kMaxRowsPerCta * kMaxRanks + kMaxRanks * kHeaderWords <= kFusedThreads,
+              "v3: the waiting threads and the header-checking threads are disjoint");
+
+__device__ __forceinline__ void prefetch_l1(const void* addr) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(addr));
+}
+
+// Waits like wait_for_epoch, but gives up (false) once *keep_waiting is 0.
+__device__ __forceinline__ bool wait_for_epoch_unless(const uint64_t* addr, uint32_t epoch,
+                                                      const volatile int* keep_waiting, uint64_t& word) {
+  do {
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(word) : "l"(addr) : "memory");
+    if (static_cast<uint32_t>(word >> 32) == epoch) return true;
+  } while (*keep_waiting);
+  return false;
+}
+
+template <typename T, int kElems, bool kStaged, bool kHfRounding>
+__global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) {
+  using P = Pack<T, kElems>;
+  extern __shared__ __align__(kVecBytes) unsigned char tile_bytes[];
+  __shared__ float unit_sums[kMaxRowsPerCta];  // one per (row, slice)
+  __shared__ float partials[kMaxRowsPerCta][kMaxRanks];
+  __shared__ int ranks_agree;
+
+  const uint32_t epoch = read_epoch(p);
+  if (chunk_abandoned(p, epoch)) return;
+  const int parity = static_cast<int>(epoch % kParities);
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t first_token = static_cast<int64_t>(blockIdx.x) * p.tokens_per_cta;
+  const int64_t left = p.shard.num_tokens - first_token;
+  const int tokens = left < p.tokens_per_cta ? static_cast<int>(left > 0 ? left : 0) : p.tokens_per_cta;
+  const int rows = kNumTensors * tokens;
+  const int slices = p.slices_per_row;
+  const int units = rows * slices;
+  const int lanes_per_row = slices * kWarpSize;
+  P* const tile = reinterpret_cast<P*>(tile_bytes);
+
+  if (threadIdx.x == 0) ranks_agree = 1;
+  publish_header(p, epoch, parity);
+
+  // Phase 1: warp (row, slice) reads packs slice * 32 + lane, + slices * 32, ... of its row.
+  for (int unit = warp; unit < units; unit += kFusedWarps) {
+    const int row = unit / slices, slice = unit % slices;
+    const TileRow<T> t = tile_row<T>(p, first_token, tokens, row);
+    const P* const src = reinterpret_cast<const P*>(t.row.x);
+    P* const staged = tile + t.tile_offset / kElems;
+    const int packs = t.row.hidden / kElems;
+    const int weight_bytes = t.row.w_is_fp32 ? static_cast<int>(sizeof(float)) : static_cast<int>(sizeof(T));
+    float sum_sq = 0.f;
+#pragma unroll kLoadUnroll
+    for (int c = slice * kWarpSize + lane; c < packs; c += lanes_per_row) {
+      const P x = src[c];
+      if constexpr (kStaged) staged[c] = x;
+      prefetch_l1(static_cast<const char*>(t.row.w) + static_cast<int64_t>(c) * kElems * weight_bytes);
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) {
+        const float xf = to_float<T>(x.v[j]);
+        sum_sq += xf * xf;
+      }
+    }
+    sum_sq = warp_sum(sum_sq);
+    if (lane == 0) unit_sums[unit] = sum_sq;
+  }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    if (atomicAdd(p.counters + kDoneCounter, 1u) == gridDim.x - 1) {
-      p.counters[kDoneCounter] = 0;
-      p.counters[kEpochCounter] = next_epoch(epoch);
+
+  // Phase 2+3: thread (row, rank r) pushes the row's partial to rank r and waits for rank r's;
+  // the top world * kHeaderWords threads check the headers meanwhile.
+  const int header_thread = threadIdx.x - (kFusedThreads - p.world * kHeaderWords);
+  if (threadIdx.x < rows * p.world) {
+    const int row = threadIdx.x / p.world, r = threadIdx.x % p.world;
+    const TileRow<T> t = tile_row<T>(p, first_token, tokens, row);
+    float sum_sq = 0.f;
+    for (int slice = 0; slice < slices; ++slice) sum_sq += unit_sums[row * slices + slice];  // fixed order
+    store_word(sum_slot(p, p.buffers[r], parity, t.token, t.tensor, p.rank), tagged(epoch, __float_as_uint(sum_sq)));
+    uint64_t word;
+    if (wait_for_epoch_unless(sum_slot(p, p.buffers[p.rank], parity, t.token, t.tensor, r), epoch, &ranks_agree, word)) {
+      partials[row][r] = __uint_as_float(payload_of(word));
+    }
+  } else if (header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread)) {
+    ranks_agree = 0;
+  }
+  __syncthreads();
+  const bool agree = ranks_agree != 0;
+
+  // Phase 4: the same (row, slice) units normalize their packs from the tile and write them.
+  for (int unit = warp; agree && unit < units; unit += kFusedWarps) {
+    const int row = unit / slices, slice = unit % slices;
+    const TileRow<T> t = tile_row<T>(p, first_token, tokens, row);
+    float total = 0.f;
+    for (int source = 0; source < p.world; ++source) total += partials[row][source];  // rank order
+    const float rstd = rstd_from(total, t.full_width, p.shard.eps);
+    P* const dst = reinterpret_cast<P*>(t.row.x);
+    const P* const staged = tile + t.tile_offset / kElems;
+    const int packs = t.row.hidden / kElems;
+#pragma unroll kLoadUnroll
+    for (int c = slice * kWarpSize + lane; c < packs; c += lanes_per_row) {
+      const P x = kStaged ? staged[c] : dst[c];
+      float w[kElems];
+      load_weights<T, kElems, kHfRounding>(t.row, c * kElems, p.shard.weight_offset, w);
+      P y;
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) y.v[j] = normalize<T, kHfRounding>(to_float<T>(x.v[j]), rstd, w[j]);
+      dst[c] = y;
     }
   }
+  end_launch(p, epoch, parity);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -346,36 +520,54 @@ inline int tokens_per_cta(int64_t tokens, int row_pair_bytes) {
   return chosen < 1 ? 1 : static_cast<int>(chosen);
 }
 
-template <typename T, int kElems, bool kHfRounding>
+// Warps per row in v3: all of a CTA's warps share its rows when there are fewer rows than warps.
+inline int slices_per_row(int tokens_per_cta) {
+  const int rows = kNumTensors * tokens_per_cta;
+  return rows < kFusedWarps ? kFusedWarps / rows : 1;
+}
+
+template <int kVersion, typename T, int kElems, bool kStaged, bool kHfRounding>
+inline void launch_fused_kernel(const FusedParams& p, unsigned grid, size_t tile_bytes, cudaStream_t stream) {
+  if constexpr (kVersion == 2) {
+    fused_kernel<T, kElems, kStaged, kHfRounding><<<grid, kFusedThreads, tile_bytes, stream>>>(p);
+  } else {
+    fused_v3_kernel<T, kElems, kStaged, kHfRounding><<<grid, kFusedThreads, tile_bytes, stream>>>(p);
+  }
+}
+
+template <int kVersion, typename T, int kElems, bool kHfRounding>
 inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
   const int row_pair_bytes = (p.shard.q_hidden + p.shard.k_hidden) * static_cast<int>(sizeof(T));
   const bool staged = row_pair_bytes <= kTileBytes;
   p.tokens_per_cta = staged ? tokens_per_cta(p.shard.num_tokens, row_pair_bytes) : 1;
+  p.slices_per_row = kVersion == 2 ? 1 : slices_per_row(p.tokens_per_cta);
   const int64_t ctas = (p.shard.num_tokens + p.tokens_per_cta - 1) / p.tokens_per_cta;
   const unsigned grid = ctas > 0 ? static_cast<unsigned>(ctas) : 1u;  // no tokens: still publish the header
   if (staged) {
     const size_t tile = static_cast<size_t>(p.tokens_per_cta) * row_pair_bytes;
-    fused_kernel<T, kElems, true, kHfRounding><<<grid, kFusedThreads, tile, stream>>>(p);
+    launch_fused_kernel<kVersion, T, kElems, true, kHfRounding>(p, grid, tile, stream);
   } else {
-    fused_kernel<T, kElems, false, kHfRounding><<<grid, kFusedThreads, 0, stream>>>(p);
+    launch_fused_kernel<kVersion, T, kElems, false, kHfRounding>(p, grid, 0, stream);
   }
 }
 
-// One launch per chunk of at most `capacity` tokens (each chunk is a call of the protocol).
-template <typename T, bool kHfRounding>
+// One launch per chunk of at most `capacity` tokens (each chunk is one epoch of the protocol).
+template <int kVersion, typename T, bool kHfRounding>
 inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
   const bool packed = cross_head_norm::vector_aligned<T>(call.shard);
   int64_t first = 0;
+  int chunk_index = 0;
   do {
     FusedParams chunk = call;
     const int64_t left = call.shard.num_tokens - first;
     chunk.shard.num_tokens = left < call.capacity ? left : call.capacity;
     chunk.shard.q = static_cast<T*>(call.shard.q) + first * call.shard.q_token_stride;
     chunk.shard.k = static_cast<T*>(call.shard.k) + first * call.shard.k_token_stride;
+    chunk.chunk_index = chunk_index++;
     if (packed) {
-      launch_fused_packs<T, Vec<T>::kElems, kHfRounding>(chunk, stream);
+      launch_fused_packs<kVersion, T, Vec<T>::kElems, kHfRounding>(chunk, stream);
     } else {
-      launch_fused_packs<T, 1, kHfRounding>(chunk, stream);  // any alignment: one element at a time
+      launch_fused_packs<kVersion, T, 1, kHfRounding>(chunk, stream);  // any alignment: one element at a time
     }
     first += chunk.shard.num_tokens;
   } while (first < call.shard.num_tokens);
@@ -408,17 +600,17 @@ inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cu
   });
 }
 
-constexpr int kNumVersions = 2;
+constexpr int kNumVersions = 3;
 
 // The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
 inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
   if (version < 2 || version > kNumVersions || p.world < 1 || p.world > kMaxRanks) return cudaErrorInvalidValue;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (hf_rounding) {
-      launch_fused<T, true>(p, stream);
+    if (version == 2) {
+      hf_rounding ? launch_fused<2, T, true>(p, stream) : launch_fused<2, T, false>(p, stream);
     } else {
-      launch_fused<T, false>(p, stream);
+      hf_rounding ? launch_fused<3, T, true>(p, stream) : launch_fused<3, T, false>(p, stream);
     }
   });
 }

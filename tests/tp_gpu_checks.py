@@ -11,7 +11,9 @@ fails on all (the failures are gathered), and the exit status is 1. What it prov
 3. 8 calls captured in one CUDA graph and replayed (twice, inputs refreshed) stay correct;
 4. eps=0 with all-zero rows finishes and gives zeros;
 5. ranks that disagree on T finish (no hang), leave their shards untouched, and raise on every rank;
-6. a call longer than the workspace runs as several chunks (COOKBOOK_TP_CAPACITY_TOKENS is set small here).
+6. a call longer than the workspace runs as several chunks (COOKBOOK_TP_CAPACITY_TOKENS is set small
+   here), and ranks that disagree on the number of chunks finish too;
+7. the epoch wraps from 2^32 - 1 to 2 with every call correct.
 """
 
 from __future__ import annotations
@@ -165,6 +167,47 @@ def check_chunks(rank, world):
     check_shards(f"chunks of {capacity}", shard, full, rank, world)
 
 
+def check_chunk_mismatch(rank, world):
+    """Ranks that disagree on T AND on the number of chunks: the extra chunks must not wait."""
+    capacity = int(os.environ["COOKBOOK_TP_CAPACITY_TOKENS"])
+    full = tp.make_full_inputs(capacity + 5 if rank == 0 else 3, 128, 64, torch.bfloat16, "cuda", seed=12)
+    shard = tp.shard_of(full, rank, world)
+    before = {n: v.clone() for n, v in shard.items()}
+    tp.tp_qk_norm(**shard, backend="cuda")
+    torch.cuda.synchronize()  # would hang if rank 0's second chunk waited for a peer that has none
+    if any(not torch.equal(shard[n], before[n]) for n in ("q_shard", "k_shard")):
+        failures.append("chunk mismatch: a shard was modified")
+    try:
+        tp.raise_pending_errors()
+        failures.append("chunk mismatch: no error was raised on this rank")
+    except ValueError:
+        pass
+    full = tp.make_full_inputs(2 * capacity + 1, 128, 64, torch.bfloat16, "cuda", seed=13)  # still in step
+    shard = tp.shard_of(full, rank, world)
+    tp.tp_qk_norm(**shard, backend="cuda")
+    check_shards("after a chunk mismatch", shard, full, rank, world)
+
+
+def check_epoch_wrap(rank, world):
+    """Jump the epoch to 4 launches before 2^32 - 1 and run through the wrap (to 2)."""
+    from cookbook import tp_workspace
+
+    ws = tp_workspace.get(dist.group.WORLD)
+    torch.cuda.synchronize()
+    dist.barrier()
+    ws.counters[0] = -4  # int32 bits of 0xfffffffc
+    torch.cuda.synchronize()
+    dist.barrier()
+    for i in range(8):
+        full = tp.make_full_inputs(5 + 3 * i, 256, 128, torch.bfloat16, "cuda", seed=200 + i)
+        shard = tp.shard_of(full, rank, world)
+        tp.tp_qk_norm(**shard, backend="cuda")
+        check_shards(f"wrap call {i}", shard, full, rank, world)
+    epoch = int(ws.counters[0]) & 0xFFFFFFFF
+    if epoch != 6:  # 0xfffffffc, fd, fe, ff, then 2, 3, 4, 5: the next is 6
+        failures.append(f"epoch wrap: expected epoch 6 after 8 launches, got {epoch}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="one tiny case (for compute-sanitizer)")
@@ -175,7 +218,8 @@ def main() -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = [check_agreement] if args.small else [check_agreement, check_reuse, check_graph, check_zero_rows,
-                                                   check_mismatch, check_chunks]
+                                                   check_mismatch, check_chunks, check_chunk_mismatch,
+                                                   check_epoch_wrap]
     for check in checks:
         start = time.perf_counter()
         try:

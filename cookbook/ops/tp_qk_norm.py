@@ -289,6 +289,14 @@ def make_full_inputs(num_tokens=8, q_width=1024, k_width=256, dtype=torch.bfloat
                               fused_qkv=True, kind=kind)
 
 
+def make_inputs(num_tokens=8, q_width=1024, k_width=256, dtype=torch.bfloat16, device="cpu", *, seed=0,
+                weight_dtype=None, kind="normal", rank=0, tp=1):
+    """Seeded arguments of one rank's call (every contract's `make_inputs`): rank `rank`'s
+    shards of `make_full_inputs` (full widths `q_width`, `k_width`) at `tp` ranks."""
+    full = make_full_inputs(num_tokens, q_width, k_width, dtype, device, seed=seed, weight_dtype=weight_dtype, kind=kind)
+    return shard_of(full, rank, tp)
+
+
 def shard_of(full: dict, rank: int, tp: int, *, fused_qkv=True) -> dict:
     """Rank `rank`'s shards of full inputs, as new tensors (as a rank holds them). With
     `fused_qkv`, q and k are views into one `[T, (q_w + 2 k_w) / tp]` qkv shard (a free token stride)."""

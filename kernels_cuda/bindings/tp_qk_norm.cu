@@ -1,7 +1,7 @@
 // Torch binding of kernels_cuda/tp_qk_norm.cuh: three ops, all in place.
 //   cookbook::tp_qk_norm_sum_sq   v1 step 1: [T, 2] float32 partial sums of squares of this shard
 //   cookbook::tp_qk_norm_apply    v1 step 3: normalize the shard from the all-reduced sums
-//   cookbook::tp_qk_norm_fused    v2: the whole op in one kernel, peers' buffers by address
+//   cookbook::tp_qk_norm_fused    v2, v3: the whole op in one kernel, peers' buffers by address
 // The all-reduce of v1 (NCCL) and the symmetric-memory workspace of v2 are set up in Python
 // (cookbook/cuda.py, cookbook/tp_workspace.py); the fake (meta) kernels are registered there too.
 #include <torch/library.h>
@@ -82,9 +82,9 @@ void fused_cuda(at::Tensor q, at::Tensor k, const at::Tensor& q_weight, const at
               " peer buffers, got ", world);
   TORCH_CHECK(rank >= 0 && rank < world, "rank: expected 0..", world - 1, ", got ", rank);
   TORCH_CHECK(capacity >= 1, "capacity: expected >= 1 token, got ", capacity);
-  TORCH_CHECK(counters.device() == q.device() && counters.scalar_type() == at::kInt && counters.numel() == 2 &&
+  TORCH_CHECK(counters.device() == q.device() && counters.scalar_type() == at::kInt && counters.numel() == tp_qk_norm::kNumCounters &&
                   counters.is_contiguous(),
-              "counters: expected a contiguous int32 [2] on ", q.device());
+              "counters: expected a contiguous int32 [", tp_qk_norm::kNumCounters, "] on ", q.device());
   for (int64_t r = 0; r < world; ++r) p.buffers[r] = reinterpret_cast<uint64_t*>(buffers[r]);
   p.call_tokens = q.size(0);
   p.q_full_width = static_cast<float>(p.shard.q_hidden * world);
