@@ -379,8 +379,9 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
 // v3: at decode sizes the warps of a CTA share each row, the header check runs beside the wait, and the weights are prefetched into L1 before it - removes v2's serial load rounds and two round trips from the critical path
 // v2 gives a row to one warp: a 3072-wide bf16 shard row is 12 packs per lane, three dependent
 // rounds of loads before the partial sum can leave, while 6 of the 8 warps of a one-token CTA
-// idle. Here the tile's rows are cut into `slices_per_row` slices (8 warps / rows, at least 1),
-// one warp per (row, slice): one round of loads. The slices' sums meet in shared memory in a fixed
+// idle. Here, when a tile has fewer rows than warps, its rows are cut into `slices_per_row`
+// slices (8 warps / rows), one warp per (row, slice): one round of loads. (With a warp per row
+// the launcher runs v2's kernel: at prefill sizes there is nothing to share.) The slices' sums meet in shared memory in a fixed
 // order. Threads [0, rows * world) then push and wait, while the top threads check the headers:
 // a mismatch stops the waits (they poll the shared flag too), so nothing can hang, but a match
 // costs no extra round trip. The weight lines phase 4 will read are prefetched into L1 in phase 1.
@@ -526,9 +527,11 @@ inline int slices_per_row(int tokens_per_cta) {
   return rows < kFusedWarps ? kFusedWarps / rows : 1;
 }
 
+// v3 runs its own kernel only where warps share rows (decode sizes); with a warp per row it IS v2
+// (measured: the prefetches and the later push cost v2's prefill speed, 1.35x at 16384 tokens).
 template <int kVersion, typename T, int kElems, bool kStaged, bool kHfRounding>
 inline void launch_fused_kernel(const FusedParams& p, unsigned grid, size_t tile_bytes, cudaStream_t stream) {
-  if constexpr (kVersion == 2) {
+  if (kVersion == 2 || p.slices_per_row == 1) {
     fused_kernel<T, kElems, kStaged, kHfRounding><<<grid, kFusedThreads, tile_bytes, stream>>>(p);
   } else {
     fused_v3_kernel<T, kElems, kStaged, kHfRounding><<<grid, kFusedThreads, tile_bytes, stream>>>(p);
