@@ -56,13 +56,15 @@ class Impl:
             if device.type == "cuda":
                 return "the Numba CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1)" if SIMULATOR else None
             return None if SIMULATOR else "Numba kernels need a CUDA GPU or NUMBA_ENABLE_CUDASIM=1"
+        if self.level == "peer" and self.op in DISTRIBUTED_OPS:
+            return None  # the collective baselines are plain torch.distributed: NCCL or gloo
         if device.type != "cuda":
             return f"{self.level} implementations run on CUDA tensors only"
         if self.level == "cuda":
             from cookbook import cuda
 
             return cuda.unavailable()
-        if self.level == "peer" and self.name in ("torch_compile", "all_gather"):
+        if self.level == "peer" and self.name == "torch_compile":
             return None
         return "unknown"
 
