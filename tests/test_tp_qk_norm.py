@@ -22,6 +22,7 @@ import torch.distributed as dist
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
+import cookbook
 from cookbook import registry
 from cookbook.ops import cross_head_norm as cross
 from cookbook.ops import tp_qk_norm as tp
@@ -462,6 +463,22 @@ def _rank_rejects_mismatch(rank, world, what, backend):
     return dict(error=error, untouched=untouched, follow_up=after)
 
 
+def _rank_compiled_matches(rank, world):
+    """torch.compile(fullgraph=True) of a function that calls the public op: one opaque custom op
+    in the graph (the group passed by name), the same result as the float64 norm."""
+    full = tp.make_full_inputs(3, 8 * world, 4 * world, torch.float32, seed=21)
+    shards = tp.shard_of(full, rank, world)
+
+    def step(q, k, q_weight, k_weight):
+        cookbook.tp_qk_norm(q, k, q_weight, k_weight, backend="reference")
+        return q.sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled(shards["q_shard"], shards["k_shard"], shards["q_weight_shard"], shards["k_weight_shard"])
+    want = tp.expected(full, rank, world, 1e-6, 0.0, "fused")
+    return [(bool(ok), m) for ok, m in reports(f"rank {rank} compiled", {o: shards[o] for o in OUTPUTS}, want, "fused")]
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
 def pool(request):
     """A pool of W gloo ranks for this module's tests, shut down (none left alive) at the end."""
@@ -591,3 +608,9 @@ def test_rank_mismatch_raises_on_every_rank(pool, backend, what, name):
         assert f"rank {rank} has {values[rank]}, the group has {min(values)}..{max(values)}" in message, message
         assert result["untouched"], f"rank {rank}: the shards were modified before the error"
         assert_all_ok(result["follow_up"])
+
+
+@needs_gloo
+def test_compiled_call_matches_the_full_norm(pool):
+    """Inside torch.compile(fullgraph=True) the op is one custom op; every rank's result is right."""
+    assert_all_ok([r for result in pool.run(_target(_rank_compiled_matches)) for r in result])

@@ -13,7 +13,8 @@ fails on all (the failures are gathered), and the exit status is 1. What it prov
 5. ranks that disagree on T finish (no hang), leave their shards untouched, and raise on every rank;
 6. a call longer than the workspace runs as several chunks (COOKBOOK_TP_CAPACITY_TOKENS is set small
    here), and ranks that disagree on the number of chunks finish too;
-7. the epoch wraps from 2^32 - 1 to 2 with every call correct.
+7. the epoch wraps from 2^32 - 1 to 2 with every call correct;
+8. torch.compile(fullgraph=True) around the public op runs the fused kernel correctly.
 """
 
 from __future__ import annotations
@@ -209,6 +210,22 @@ def check_epoch_wrap(rank, world):
         failures.append(f"epoch wrap: expected epoch 6 after 8 launches, got {epoch}")
 
 
+def check_compile(rank, world):
+    """torch.compile(fullgraph=True, inductor) around the public op: one custom op, the fused kernel."""
+    import cookbook
+
+    full = tp.make_full_inputs(17, 512, 128, torch.bfloat16, "cuda", seed=31)
+    shard = tp.shard_of(full, rank, world)
+
+    def step(q, k, q_weight, k_weight):
+        cookbook.tp_qk_norm(q, k, q_weight, k_weight, backend="cuda")
+        return q.float().square().sum()
+
+    torch.compile(step, fullgraph=True)(shard["q_shard"], shard["k_shard"], shard["q_weight_shard"],
+                                        shard["k_weight_shard"])
+    check_shards("torch.compile", shard, full, rank, world)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="one tiny case (for compute-sanitizer)")
@@ -220,7 +237,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = [check_agreement] if args.small else [check_agreement, check_reuse, check_graph, check_zero_rows,
                                                    check_mismatch, check_chunks, check_chunk_mismatch,
-                                                   check_epoch_wrap]
+                                                   check_epoch_wrap, check_compile]
     for check in checks:
         start = time.perf_counter()
         try:

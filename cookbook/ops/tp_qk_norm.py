@@ -223,6 +223,18 @@ def tp_qk_norm(q_shard, k_shard, q_weight_shard, k_weight_shard, eps=1e-6, *, gr
         cross_head_norm(a.q, a.k, a.q_weight, a.k_weight, a.eps, weight_offset=a.weight_offset, rounding=a.rounding,
                         backend=backend)
         return q_shard, k_shard
+    if torch.compiler.is_compiling():
+        # torch.compile sees one opaque op that mutates the shards (the group travels by name);
+        # the path choice, the rank check and the launch run when the graph runs.
+        torch.ops.cookbook.tp_qk_norm_dispatch(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding,
+                                               backend, a.group.group_name)
+    else:
+        _run(a, backend)
+    return q_shard, k_shard
+
+
+def _run(a: TPQKNormArgs, backend: str) -> None:
+    """The collective call on checked arguments: pick the path, check the ranks agree, launch."""
     impl = resolve(backend, a)
     raise_pending_errors(a.group)
     if not is_fused(impl):  # the fused kernel compares the ranks' headers on the GPU instead
@@ -230,10 +242,23 @@ def tp_qk_norm(q_shard, k_shard, q_weight_shard, k_weight_shard, eps=1e-6, *, gr
         if not capturing:  # a CUDA-graph capture cannot read the all-reduced shapes back
             check_ranks_agree(a)
         if a.q.shape[0] == 0:
-            return q_shard, k_shard
+            return
     # The fused kernel launches even with no tokens: its header tells the peers this rank's count.
     impl.fn(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group)
-    return q_shard, k_shard
+
+
+def _run_by_group_name(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                       weight_offset: float, rounding: str, backend: str, group_name: str) -> None:
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    _run(TPQKNormArgs(q, k, q_weight, k_weight, eps, weight_offset, rounding, group), backend)
+
+
+_dispatch = torch.library.custom_op("cookbook::tp_qk_norm_dispatch", _run_by_group_name, mutates_args=("q", "k"))
+
+
+@_dispatch.register_fake
+def _(q, k, q_weight, k_weight, eps, weight_offset, rounding, backend, group_name):
+    return None
 
 
 def is_fused(impl) -> bool:
