@@ -614,3 +614,22 @@ def test_rank_mismatch_raises_on_every_rank(pool, backend, what, name):
 def test_compiled_call_matches_the_full_norm(pool):
     """Inside torch.compile(fullgraph=True) the op is one custom op; every rank's result is right."""
     assert_all_ok([r for result in pool.run(_target(_rank_compiled_matches)) for r in result])
+
+
+@needs_gloo
+def test_eight_ranks():
+    """tp=8 (a full node, issue 6's CPU part): fixed cases agree on every rank, a token mismatch
+    raises on every rank, torch.compile works. Its own pool: 8 ranks for a few cases only."""
+    eight = GlooPool(8)
+    try:
+        for case in (_case(3, q_shard_width=8, k_shard_width=4),
+                     _case(2, dtype=torch.float32, rounding="hf", weight_offset=1.0, fused_qkv=False),
+                     _case(4, q_shard_width=4, k_shard_width=2, kind="zero_rows", eps=0.0, seed=3)):
+            _run_matches_full_norm(eight, case)
+        for result in eight.run(_target(_rank_rejects_mismatch), what="tokens", backend="numba"):
+            assert result["error"] is not None and result["error"][0] == "ValueError", result["error"]
+            assert result["untouched"]
+            assert_all_ok(result["follow_up"])
+        assert_all_ok([r for result in eight.run(_target(_rank_compiled_matches)) for r in result])
+    finally:
+        eight.close()
