@@ -31,10 +31,35 @@ HEAD_DIM = "128"
 VECTORS_PER_THREAD_OPS = {"cross_head_norm"}
 
 
+# Ops whose kernels are not named <op>_vN_kernel: version -> the bf16 fused-rounding kernels it
+# launches (16-byte packs, staged in shared memory where that is a template argument).
+NAMED_KERNELS = {
+    "tp_qk_norm": {
+        1: ("sum_sq_kernel<__nv_bfloat16>", "apply_kernel<__nv_bfloat16, false>"),
+        2: ("fused_kernel<__nv_bfloat16, 8, true, false>",),
+        3: ("fused_v3_kernel<__nv_bfloat16, 8, true, false>", "fused_kernel<__nv_bfloat16, 8, true, false>"),
+    },
+}
+
+
+def named_kernel_registers(op: str) -> dict[int, str]:
+    by_name = {k.kernel: k for k in nvcc_report.compile_header(op)}
+    found = {}
+    for version, names in NAMED_KERNELS[op].items():
+        cells = []
+        for name in names:
+            kernel = next(k for full, k in by_name.items() if f"::{name}(" in full)
+            cells.append(f"{name.split('<')[0]} {kernel.registers} regs, {kernel.spill_bytes} B spill")
+        found[version] = "; ".join(cells)
+    return found
+
+
 def cuda_registers(op: str) -> dict[int, str]:
     """{version: "R regs, S B spill"} for the bf16 fused-rounding kernels, or {} without nvcc."""
     if nvcc_report.nvcc() is None:
         return {}
+    if op in NAMED_KERNELS:
+        return named_kernel_registers(op)
     # Extra template arguments after the rounding flag (qk_norm's row index type) are allowed;
     # a version that reuses an earlier version's kernel (qk_norm v4) has no row of its own.
     name = re.compile(rf"{op}_v(\d+)_kernel<__nv_bfloat16, (?:(\d+), )?false(?:, long)?>")
