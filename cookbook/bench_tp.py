@@ -51,6 +51,8 @@ MEMORY_BUDGET_FRACTION = 0.25
 NCCL_SUMS = "nccl_all_reduce_sums"
 SYMM_MEM_SUMS = "symm_mem_one_shot_sums"
 LOCAL_SHARD = "local_cross_head_norm"
+DECODE = "decode"  # --shapes decode: the decode rows only (a short run)
+DECODE_TOKENS = 128
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -258,7 +260,8 @@ def metadata(command: str, dtype, world: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cookbook.bench_tp")
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(bench.DTYPES))
-    parser.add_argument("--shapes", default="full", choices=bench.SHAPE_CHOICES)
+    parser.add_argument("--shapes", default="full", choices=(*bench.SHAPE_CHOICES, DECODE),
+                        help=f"quick: first, middle and last shapes; {DECODE}: the shapes of at most {DECODE_TOKENS} tokens")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--results-dir", default="docs/results")
     parser.add_argument("--no-results", action="store_true")
@@ -279,7 +282,9 @@ def main(argv=None) -> int:
     meta = metadata(args.command or "python -m cookbook.bench_tp", dtype, world)
     rows = []
     try:
-        for shape in bench.select_shapes(tp.BENCH_SHAPES, args.shapes):
+        shapes = [sh for sh in tp.BENCH_SHAPES if sh[0] <= DECODE_TOKENS] if args.shapes == DECODE else \
+            bench.select_shapes(tp.BENCH_SHAPES, args.shapes)
+        for shape in shapes:
             rows += run_shape(shape, dtype, rank, world, group, meta)
             torch.cuda.empty_cache()
         if rank == 0:

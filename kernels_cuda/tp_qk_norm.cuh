@@ -13,6 +13,7 @@
 // v1: the three-launch pipeline: a sum-of-squares kernel writes [T, 2] floats, NCCL all-reduces them, an apply kernel re-reads the shard and writes
 // v2: one fused kernel: a CTA stages a tile of tokens in shared memory, pushes their partial sums into every peer's symmetric-memory buffer tagged with the call's epoch, waits for the peers' tags, and writes - removes v1's NCCL launch, its latency and the second read of the shard
 // v3: at decode sizes the warps of a CTA share each row, the header check runs beside the wait, and the weights are prefetched into L1 before it - removes v2's serial load rounds and two round trips from the critical path
+// v4: the decode kernel advances the epoch as soon as every CTA has read it (an atomic beside the wait) instead of after every CTA has finished - removes v3's end-of-kernel atomic round trip
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -404,7 +405,14 @@ __device__ __forceinline__ bool wait_for_epoch_unless(const uint64_t* addr, uint
   return false;
 }
 
-template <typename T, int kElems, bool kStaged, bool kHfRounding>
+// v4: the decode kernel advances the epoch as soon as every CTA has read it (an atomic beside the wait) instead of after every CTA has finished - removes v3's end-of-kernel atomic round trip
+// Safe: each CTA reads the epoch once, at its start, before it counts itself in, so the last CTA
+// to count itself in can advance it; the next launch starts only after this one completes. The
+// two launches before the wrap keep v3's end-of-launch path (they zero their half at the end).
+constexpr int kEpochThread = kFusedThreads - 1 - kMaxRanks * kHeaderWords;  // neither a waiting nor a header thread
+static_assert(kEpochThread >= kMaxRowsPerCta * kMaxRanks, "v4: the epoch thread does not wait for sums");
+
+template <typename T, int kElems, bool kStaged, bool kHfRounding, bool kEarlyEpoch = false>
 __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) {
   using P = Pack<T, kElems>;
   extern __shared__ __align__(kVecBytes) unsigned char tile_bytes[];
@@ -414,6 +422,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
 
   const uint32_t epoch = read_epoch(p);
   if (chunk_abandoned(p, epoch)) return;
+  const bool near_wrap = epoch >= kLastEpoch - 1;
   const int parity = static_cast<int>(epoch % kParities);
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
@@ -469,6 +478,11 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
     }
   } else if (header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread)) {
     ranks_agree = 0;
+  } else if (kEarlyEpoch && !near_wrap && threadIdx.x == kEpochThread) {
+    if (atomicAdd(p.counters + kDoneCounter, 1u) == gridDim.x - 1) {  // every CTA has read the epoch
+      p.counters[kDoneCounter] = 0;
+      p.counters[kEpochCounter] = next_epoch(epoch);
+    }
   }
   __syncthreads();
   const bool agree = ranks_agree != 0;
@@ -494,7 +508,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
       dst[c] = y;
     }
   }
-  end_launch(p, epoch, parity);
+  if (!kEarlyEpoch || near_wrap) end_launch(p, epoch, parity);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -534,7 +548,8 @@ inline void launch_fused_kernel(const FusedParams& p, unsigned grid, size_t tile
   if (kVersion == 2 || p.slices_per_row == 1) {
     fused_kernel<T, kElems, kStaged, kHfRounding><<<grid, kFusedThreads, tile_bytes, stream>>>(p);
   } else {
-    fused_v3_kernel<T, kElems, kStaged, kHfRounding><<<grid, kFusedThreads, tile_bytes, stream>>>(p);
+    constexpr bool kEarlyEpoch = kVersion >= 4;
+    fused_v3_kernel<T, kElems, kStaged, kHfRounding, kEarlyEpoch><<<grid, kFusedThreads, tile_bytes, stream>>>(p);
   }
 }
 
@@ -603,7 +618,7 @@ inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cu
   });
 }
 
-constexpr int kNumVersions = 3;
+constexpr int kNumVersions = 4;
 
 // The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
 inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
@@ -612,8 +627,10 @@ inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, in
     using T = decltype(tag);
     if (version == 2) {
       hf_rounding ? launch_fused<2, T, true>(p, stream) : launch_fused<2, T, false>(p, stream);
-    } else {
+    } else if (version == 3) {
       hf_rounding ? launch_fused<3, T, true>(p, stream) : launch_fused<3, T, false>(p, stream);
+    } else {
+      hf_rounding ? launch_fused<4, T, true>(p, stream) : launch_fused<4, T, false>(p, stream);
     }
   });
 }

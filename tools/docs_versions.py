@@ -37,7 +37,8 @@ NAMED_KERNELS = {
     "tp_qk_norm": {
         1: ("sum_sq_kernel<__nv_bfloat16>", "apply_kernel<__nv_bfloat16, false>"),
         2: ("fused_kernel<__nv_bfloat16, 8, true, false>",),
-        3: ("fused_v3_kernel<__nv_bfloat16, 8, true, false>", "fused_kernel<__nv_bfloat16, 8, true, false>"),
+        3: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, false>", "fused_kernel<__nv_bfloat16, 8, true, false>"),
+        4: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true>", "fused_kernel<__nv_bfloat16, 8, true, false>"),
     },
 }
 

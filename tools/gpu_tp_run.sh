@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call on a multi-GPU machine for the collective op tp_qk_norm: topology, build,
 # the torchrun GPU checks, compute-sanitizer on a small case, then the TP benchmark.
-#   bash tools/gpu_tp_run.sh [checks|bench|all] [bench shapes: quick|full]
+#   bash tools/gpu_tp_run.sh [checks|bench|all] [bench shapes: quick|full|decode (no results pages)]
 set -uo pipefail
 what=${1:-all}; shapes=${2:-full}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -30,7 +30,8 @@ if [[ $what == checks || $what == all ]]; then
     > "$OUT/sanitizer_api.log" 2>&1
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout 420 python3 -m cookbook bench --ops tp_qk_norm --nproc "$nproc" --shapes "$shapes" --out "$OUT/bench" 2>&1 \
+  if [[ $shapes == decode ]]; then bench=(python3 -m cookbook.bench_tp --no-results); else bench=(python3 -m cookbook bench --ops tp_qk_norm); fi
+  timeout 420 "${bench[@]}" --nproc "$nproc" --shapes "$shapes" --out "$OUT/bench" 2>&1 \
     | grep -v "^W1\|NumbaPerformanceWarning\|warn(" | tee "$OUT/bench.log" | tail -70
   tar czf "$OUT/results.tgz" docs/results/tp_qk_norm_* "$OUT/bench" 2>/dev/null
 fi
