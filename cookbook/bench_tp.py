@@ -160,7 +160,7 @@ def calls_for(call_us: float, sets: int) -> int:
     return bench.calls_per_replay(sets, call_us) if call_us > 0 else sets
 
 
-def run_shape(shape, dtype, rank, world, group, meta) -> list[dict]:
+def run_shape(shape, dtype, rank, world, group, meta, only=None) -> list[dict]:
     t, q_width, k_width = shape
     label = f"T={t} q={q_width} k={k_width} (shard {q_width // world}/{k_width // world})"
     elem = torch.empty((), dtype=dtype).element_size()
@@ -171,7 +171,7 @@ def run_shape(shape, dtype, rank, world, group, meta) -> list[dict]:
     rows = []
     candidates = [(impl.name, impl, None) for impl in registry.implementations(OP)]
     candidates += [(name, fn, args) for name, fn, args in extra_rows(shape, sets, group)]
-    for name, target, per_set in candidates:
+    for name, target, per_set in [c for c in candidates if only is None or c[0] in only]:
         row = {"op": OP, "shape": list(shape), "label": label, "impl": name, "median_us": None, "p20_us": None,
                "p80_us": None, "method": "", "error": ""}
         try:
@@ -266,11 +266,13 @@ def main(argv=None) -> int:
     parser.add_argument("--results-dir", default="docs/results")
     parser.add_argument("--no-results", action="store_true")
     parser.add_argument("--nproc", type=int, default=None, help="ranks (GPUs) when not already under torchrun")
+    parser.add_argument("--impls", default=None, help="comma-separated rows to run (default: all)")
     parser.add_argument("--command", default=None, help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if not under_torchrun():
-        forward = [a for a in argv if not a.startswith("--nproc")]
+        forward = [a for i, a in enumerate(argv)  # drop --nproc N / --nproc=N: torchrun sets the ranks
+                   if not a.startswith("--nproc") and not (i > 0 and argv[i - 1] == "--nproc")]
         command = shlex.join(["python", "-m", "cookbook.bench_tp", *argv])
         return launch(args.nproc, [*forward, "--command", args.command or command])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -285,7 +287,7 @@ def main(argv=None) -> int:
         shapes = [sh for sh in tp.BENCH_SHAPES if sh[0] <= DECODE_TOKENS] if args.shapes == DECODE else \
             bench.select_shapes(tp.BENCH_SHAPES, args.shapes)
         for shape in shapes:
-            rows += run_shape(shape, dtype, rank, world, group, meta)
+            rows += run_shape(shape, dtype, rank, world, group, meta, args.impls.split(",") if args.impls else None)
             torch.cuda.empty_cache()
         if rank == 0:
             write_results(rows, meta, Path(args.out), None if args.no_results else Path(args.results_dir))
