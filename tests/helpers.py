@@ -64,3 +64,16 @@ def assert_rejected_untouched(op_fn, args, error, fragment, **kwargs):
         assert "stride" in message and "dtype" in message, f"the error should describe the tensor: {message}"
     for name, t in tensors.items():
         assert torch.equal(t, snapshot[name]), f"{name} was modified before the error"
+
+
+def bad_case(good, **changes):
+    """A zero-argument maker of the op's keyword arguments: `good()`'s inputs with the contract's
+    defaults (eps=1e-6, weight_offset=0.0, rounding="fused"), then `changes` applied in order; a
+    callable change gets the arguments so far and returns the new value (e.g. a broken view)."""
+    def make():
+        args = dict(good(), eps=1e-6, weight_offset=0.0, rounding="fused")
+        for key, value in changes.items():
+            args[key] = value(args) if callable(value) else value
+        return args
+
+    return make

@@ -4,6 +4,7 @@ untouched."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -17,7 +18,7 @@ import cookbook
 from cookbook.ops import cross_head_norm as contract
 from cookbook.testing import agreement
 from kernels_numba.helpers import block_sum
-from helpers import BACKENDS, assert_rejected_untouched, DEVICE, ON_GPU, clone_inputs, kernel_impls, require, run_and_compare
+from helpers import assert_rejected_untouched, BACKENDS, bad_case, clone_inputs, DEVICE, kernel_impls, ON_GPU, require, run_and_compare
 
 OP = "cross_head_norm"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -281,14 +282,7 @@ def _good(dtype=torch.bfloat16, device=DEVICE):
 
 
 def _bad_cases():
-    def with_(**changes):
-        def make():
-            args = dict(_good(), eps=1e-6, weight_offset=0.0, rounding="fused")
-            for key, value in changes.items():
-                args[key] = value(args) if callable(value) else value
-            return args
-
-        return make
+    with_ = functools.partial(bad_case, _good)
 
     def strided_last(a):
         q = a["q"]

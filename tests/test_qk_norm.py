@@ -3,6 +3,8 @@ bad inputs get a clear error and leave the tensors untouched."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 import cookbook
 from cookbook.ops import qk_norm as contract
 from cookbook.testing import agreement
-from helpers import BACKENDS, assert_rejected_untouched, DEVICE, ON_GPU, clone_inputs, kernel_impls, require, run_and_compare
+from helpers import assert_rejected_untouched, BACKENDS, bad_case, clone_inputs, DEVICE, kernel_impls, ON_GPU, require, run_and_compare
 
 OP = "qk_norm"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -183,14 +185,7 @@ def _good(dtype=torch.bfloat16, device=DEVICE):
 
 
 def _bad_cases():
-    def with_(**changes):
-        def make():
-            args = dict(_good(), eps=1e-6, weight_offset=0.0, rounding="fused")
-            for key, value in changes.items():
-                args[key] = value(args) if callable(value) else value
-            return args
-
-        return make
+    with_ = functools.partial(bad_case, _good)
 
     def strided_last(a):
         q = a["q"]

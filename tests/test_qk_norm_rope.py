@@ -5,6 +5,8 @@ follow the documented policy."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given
@@ -14,7 +16,7 @@ import cookbook
 from cookbook.ops import qk_norm as norm_contract
 from cookbook.ops import qk_norm_rope as contract
 from cookbook.testing import agreement
-from helpers import BACKENDS, assert_rejected_untouched, DEVICE, ON_GPU, clone_inputs, fields, kernel_impls, require, run_and_compare
+from helpers import assert_rejected_untouched, BACKENDS, bad_case, clone_inputs, DEVICE, fields, kernel_impls, ON_GPU, require, run_and_compare
 
 OP = "qk_norm_rope"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -320,14 +322,7 @@ def _good(dtype=torch.bfloat16, device=DEVICE):
 
 
 def _bad_cases():
-    def with_(**changes):
-        def make():
-            args = dict(_good(), eps=1e-6, weight_offset=0.0, rounding="fused")
-            for key, value in changes.items():
-                args[key] = value(args) if callable(value) else value
-            return args
-
-        return make
+    with_ = functools.partial(bad_case, _good)
 
     return [
         ("q not a tensor", with_(q=lambda a: a["q"].tolist()), TypeError, "q: expected a torch.Tensor"),

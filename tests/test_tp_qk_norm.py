@@ -15,6 +15,7 @@ Hypothesis draws each case in the test process and sends it to the ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from cookbook.ops import cross_head_norm as cross
 from cookbook.ops import tp_qk_norm as tp
 from cookbook.testing import agreement
 from distributed import GlooPool, gloo_unavailable
-from helpers import BACKENDS, DEVICE, ON_GPU, assert_rejected_untouched, fields, require
+from helpers import assert_rejected_untouched, BACKENDS, bad_case, DEVICE, fields, ON_GPU, require
 
 OP = "tp_qk_norm"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -260,14 +261,7 @@ def _good(dtype=torch.bfloat16):
 
 
 def _bad_cases():
-    def with_(**changes):
-        def make():
-            args = dict(_good(), eps=1e-6, weight_offset=0.0, rounding="fused")
-            for key, value in changes.items():
-                args[key] = value(args) if callable(value) else value
-            return args
-
-        return make
+    with_ = functools.partial(bad_case, _good)
 
     def strided_last(a):
         q = a["q_shard"]
