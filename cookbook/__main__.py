@@ -70,10 +70,12 @@ def main(argv=None) -> int:
     collective = [op for op in ops if op in registry.DISTRIBUTED_OPS]
     ops = [op for op in ops if op not in registry.DISTRIBUTED_OPS]
     if on_cpu:
-        for op in collective:
-            print(f"{op}: a collective; its CPU checks run under gloo in tests/test_tp_qk_norm.py and "
-                  f"notebooks/03_tp_qk_norm walks through it on one device (virtual TP)")
-        return exit_status(bench.tour(ops=ops)) if ops else 0
+        status = exit_status(bench.tour(ops=ops)) if ops else 0
+        if collective or not args.ops:  # the collective op's tour: two gloo ranks under torchrun
+            from cookbook import bench_tp
+
+            status = max(status, bench_tp.launch_tour())
+        return status
     status = 0
     if collective:  # one process per GPU, under torchrun (cookbook.bench_tp)
         from cookbook import bench_tp

@@ -1,4 +1,5 @@
-"""The benchmark of the collective op `tp_qk_norm`: one process per GPU, under torchrun.
+"""The benchmark of the collective op `tp_qk_norm`: one process per GPU, under torchrun (and its
+CPU tour: ``python -m cookbook.bench_tp --tour``, gloo ranks, agreement only).
 
 ``python -m cookbook bench --ops tp_qk_norm [--nproc N]`` starts ``torchrun --nproc-per-node N
 -m cookbook.bench_tp ...`` (N: 2 by default, or every visible GPU if fewer); each rank then runs
@@ -244,6 +245,58 @@ def write_results(rows, meta, out: Path, results_dir: Path | None) -> None:
     print(f"wrote {results_dir / (stem + '.md')}")
 
 
+# --------------------------------------------------------------------------------------------
+# The CPU tour of the collective: gloo ranks, the reference, the Numba pipeline (simulator) and the
+# all-gather baseline on tiny shapes, each checked against the gathered float64 reference.
+# --------------------------------------------------------------------------------------------
+def tour(rank: int, world: int) -> int:
+    group = dist.group.WORLD
+    impls = [impl for impl in registry.implementations(OP) if impl.unavailable("cpu") is None]
+    body, failed = [], 0
+    for t, q_width, k_width in tp.SIM_SHAPES:
+        q_width, k_width = q_width * world // 2, k_width * world // 2  # shard widths as at tp=2
+        for dtype in bench.TOUR_DTYPES:
+            for rounding in bench.ROUNDINGS:
+                full = tp.make_full_inputs(t, q_width, k_width, dtype, seed=bench.TOUR_SEED)
+                want = tp.expected(full, rank, world, bench.EPS, bench.WEIGHT_OFFSET, rounding)
+                for impl in impls:
+                    shard = tp.shard_of(full, rank, world)
+                    try:
+                        a = tp.check_inputs(**shard, eps=bench.EPS, weight_offset=bench.WEIGHT_OFFSET,
+                                            rounding=rounding, group=group)
+                        impl.fn(*impl_args(a))
+                        verdicts = [agreement(f"{impl.name}:{n}", shard[n], *want[n], rounding, tp.TOLERANCES[dtype])
+                                    for n in ("q_shard", "k_shard")]
+                        mine = (all(v.ok for v in verdicts), max(v.max_ulp for v in verdicts),
+                                "; ".join(v.message for v in verdicts if not v.ok))
+                    except Exception as error:  # noqa: BLE001 - reported in the table
+                        mine = (False, None, bench._error_text(error))
+                    everyone = [None] * world
+                    dist.all_gather_object(everyone, mine)
+                    ok = all(r[0] for r in everyone)
+                    worst = max((r[1] for r in everyone if r[1] is not None), default=None)
+                    failed += not ok
+                    body.append([f"T={t} q={q_width} k={k_width}", bench.dtype_name(dtype), rounding, impl.name,
+                                 "-" if worst is None else f"{worst:.2g}",
+                                 "ok" if ok else next(r[2] for r in everyone if not r[0])[: bench.MAX_CELL_CHARS]])
+    if rank == 0:
+        print(f"\n{OP} at tp={world} on gloo (CPU ranks; Numba under its simulator): every rank's shard "
+              f"against its columns of the gathered float64 reference")
+        print(bench.markdown_table(["full shape", "dtype", "rounding", "impl", "max ulp (any rank)", "agreement"], body))
+        print(f"{len(body) - failed} of {len(body)} runs agree on every rank." + (" FAILURES above." if failed else ""))
+    return 1 if failed else 0
+
+
+def launch_tour(nproc: int = DEFAULT_NPROC) -> int:
+    """The CPU tour under torchrun: `nproc` gloo ranks on this machine."""
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(bench.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "cookbook.bench_tp", "--tour"]
+    print("$", shlex.join(cmd), flush=True)
+    return subprocess.run(cmd, env=env).returncode
+
+
 def metadata(command: str, dtype, world: int) -> dict:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return {
@@ -268,8 +321,17 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, default=None, help="ranks (GPUs) when not already under torchrun")
     parser.add_argument("--impls", default=None, help="comma-separated rows to run (default: all)")
     parser.add_argument("--command", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tour", action="store_true", help="the CPU tour on gloo ranks (no timing)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.tour:
+        if not under_torchrun():
+            return launch_tour(args.nproc or DEFAULT_NPROC)
+        dist.init_process_group("gloo")
+        try:
+            return tour(dist.get_rank(), dist.get_world_size())
+        finally:
+            dist.destroy_process_group()
     if not under_torchrun():
         forward = [a for i, a in enumerate(argv)  # drop --nproc N / --nproc=N: torchrun sets the ranks
                    if not a.startswith("--nproc") and not (i > 0 and argv[i - 1] == "--nproc")]

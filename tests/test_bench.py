@@ -6,6 +6,7 @@ import torch
 
 from cookbook import bench, registry
 from cookbook.ops import qk_norm as qk_norm_contract
+from cookbook.ops import tp_qk_norm as tp_contract
 from cookbook.registry import Impl
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the tour is the CPU path")
@@ -148,3 +149,19 @@ def test_largest_family_groups_shapes_by_everything_but_tokens():
 def test_markdown_table_pads_columns():
     table = bench.markdown_table(["a", "bb"], [["xyz", 1]]).splitlines()
     assert table == ["| a   | bb |", "|-----|----|", "| xyz | 1  |"]
+
+
+@cpu_only
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="gloo is not available")
+def test_the_collective_tour_runs_on_two_gloo_ranks():
+    """`python -m cookbook.bench_tp --tour` (what `python -m cookbook` runs on a CPU for tp_qk_norm):
+    torchrun starts two gloo ranks, every CPU implementation agrees on every rank, exit status 0."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "cookbook.bench_tp", "--tour"], cwd=bench.REPO_ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    expected = len(tp_contract.SIM_SHAPES) * len(bench.TOUR_DTYPES) * len(bench.ROUNDINGS) * len(
+        [impl for impl in registry.implementations("tp_qk_norm") if impl.unavailable("cpu") is None])
+    assert f"{expected} of {expected} runs agree on every rank." in run.stdout, run.stdout[-3000:]
