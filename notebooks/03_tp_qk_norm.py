@@ -369,12 +369,22 @@ print(HEADER[start:HEADER.rindex("\n// ---", start, end)].rstrip())
 #   a header (the call's T and both shard widths) to every rank, and every CTA compares all
 #   ranks' headers **before** waiting for any sum. Ranks that disagree skip the wait, leave their
 #   shards untouched, and record the mismatch in a pinned host word; the next call on each rank
-#   raises it as a `ValueError`. The header is published even with no tokens. (A call longer
-#   than the workspace's capacity runs as several launches, each with its own header; the docs
-#   page's limits say what that means for a mismatch.)
+#   raises it as a `ValueError`. The header is published even with no tokens.
+# * **Why a failed call's later chunks do nothing.** A call longer than the workspace's capacity
+#   runs as several launches (chunks), one epoch each, every one carrying the whole call's T in
+#   its header. If the ranks disagree on T they may also disagree on the number of chunks: the
+#   rank with more chunks would wait in its second chunk for a header the other rank sends only
+#   with its next call. So the first chunk, on a mismatch, notes the epoch the call's later chunks
+#   will run at, and those chunks do nothing and leave the epoch alone.
+# * **Why the epoch wraps to 2.** Epochs are 32-bit tags that skip 0 (a fresh buffer's tag);
+#   after `2^32 - 1` (odd) comes 2 (even), so the parities keep alternating across the wrap. The
+#   real kernel also zeroes, in the last two launches before the wrap, the half of its buffer each
+#   used, so no word from the previous cycle can look current after it.
 # * **Why CUDA graphs work.** The epoch is not a kernel argument (a graph replays its arguments
-#   frozen at capture): it lives in device memory, every CTA reads it at the start, and the
-#   last CTA to finish advances it. A replay therefore runs the next epoch, like an eager call.
+#   frozen at capture): it lives in device memory, every CTA reads it at the start, and once
+#   every CTA has read it the last one advances it (v2 and v3 at the end of the kernel, v4 as soon
+#   as the last CTA has counted itself in). A replay therefore runs the next epoch, like an eager
+#   call.
 #
 # The simulation below models exactly that on lists of Python ints: each rank's buffer with the
 # layout of `tp_workspace` (headers, then slots indexed by parity, token, tensor, source), its
@@ -382,8 +392,9 @@ print(HEADER[start:HEADER.rindex("\n// ---", start, end)].rstrip())
 # a word that is not tagged yet. A scheduler interleaves the ranks' steps (at random, or
 # adversarially: one rank runs as far as it can before the other moves). One simulated CTA per
 # rank does all the tokens; calls longer than the workspace's capacity run as several launches
-# (chunks), each one epoch, as the real launcher does. The rows hold small integers, so the
-# float32 sums are exact and the check is equality.
+# (chunks), each one epoch, as the real launcher does, with the same rule for a failed call's
+# later chunks. The rows hold small integers, so the float32 sums are exact and the check is
+# equality.
 
 # %%
 HEADER_WORDS, NUM_TENSORS, MASK32 = tp_workspace.HEADER_WORDS, tp_workspace.NUM_TENSORS, 0xFFFFFFFF
@@ -401,8 +412,11 @@ def tagged(epoch, payload):
     return (epoch << 32) | payload
 
 
-def next_epoch(epoch):  # 1, 2, ..., 2^32 - 1, 1, ...: 0 is a fresh buffer's tag
-    return 1 if epoch == MASK32 else epoch + 1
+EPOCH_AFTER_WRAP = 2  # even, like the epoch after any odd one
+
+
+def next_epoch(epoch):  # 1, 2, ..., 2^32 - 1, 2, 3, ...: 0 is a fresh buffer's tag
+    return EPOCH_AFTER_WRAP if epoch == MASK32 else epoch + 1
 
 
 class SimRank:
@@ -412,6 +426,7 @@ class SimRank:
         self.world, self.capacity, self.parities = world, capacity, parities
         self.buffer = [0] * (parities * world * HEADER_WORDS + parities * capacity * NUM_TENSORS * world)
         self.epoch = tp_workspace.FIRST_EPOCH
+        self.failed_epoch = 0  # the epoch a failed call's later chunks run at (a device counter)
         self.status = []  # the mismatches a launch recorded (the pinned host word of the real workspace)
 
     def header(self, parity, source, word):
@@ -425,10 +440,12 @@ class SimRank:
 assert len(SimRank(4, 32768).buffer) == tp_workspace.buffer_words(4, 32768)  # the real layout's size
 
 
-def launch(ranks, me, chunk, call_tokens, widths, out):
+def launch(ranks, me, chunk, chunk_index, call_tokens, widths, out, abandon=True):
     """One launch of the fused kernel on rank `me`: header, push, check, wait, write, advance."""
     r = ranks[me]
     epoch = r.epoch  # read from device memory, not passed in: CUDA-graph replays see the next one
+    if abandon and chunk_index > 0 and r.failed_epoch == epoch:
+        return  # a later chunk of a call whose first chunk found a mismatch: nothing to do
     parity = epoch % r.parities
     mine = (call_tokens, *widths)
     for dest in ranks:  # the header goes to every rank, itself included
@@ -448,6 +465,8 @@ def launch(ranks, me, chunk, call_tokens, widths, out):
                 yield "wait"
             if w & MASK32 != mine[word]:
                 agree = False
+                if chunk_index == 0:
+                    r.failed_epoch = next_epoch(epoch)  # the epoch the later chunks will see
                 r.status.append(f"{('tokens', 'q width', 'k width')[word]}: rank {source} has {w & MASK32}, "
                                 f"this rank {mine[word]}")
     if agree:  # a mismatch leaves the shards untouched
@@ -465,12 +484,13 @@ def launch(ranks, me, chunk, call_tokens, widths, out):
     yield "store"
 
 
-def program(ranks, me, calls, results):
+def program(ranks, me, calls, results, abandon=True):
     """Rank `me` makes its calls in order; a call above the capacity runs as several chunks."""
     for rows, widths in calls:
         out, first = [], 0
         while True:
-            yield from launch(ranks, me, rows[first:first + ranks[me].capacity], len(rows), widths, out)
+            chunk = rows[first:first + ranks[me].capacity]
+            yield from launch(ranks, me, chunk, first // ranks[me].capacity, len(rows), widths, out, abandon)
             first += ranks[me].capacity
             if first >= len(rows):
                 break
@@ -579,13 +599,51 @@ for me, r in enumerate(ranks):
           f"call 2 correct: {results[me][1] == want[1]}")
 
 # %% [markdown]
+# A mismatch across the chunk boundary: rank 0 calls with 5 tokens (two chunks at a capacity of
+# 4), rank 1 with 3 (one chunk), then both make a matching call. Without the rule for a failed
+# call's later chunks, rank 0's second chunk waits for a header rank 1 sends only with its next
+# call, and the two ranks fall out of step; with it, both finish, record the mismatch, and the
+# next call is correct:
+
+# %%
+for abandon in (False, True):
+    rng = random.Random(1)
+    shards, want = random_calls(2, [5, 2], rng)  # the intended calls: 5 tokens, then 2
+    short, _ = random_calls(2, [3], rng)  # rank 1's buggy first call: 3 tokens
+    calls = [shards[0], [short[1][0], shards[1][1]]]
+    ranks = [SimRank(2, capacity=4) for _ in range(2)]
+    results = [[], []]
+    verdict = run([program(ranks, me, calls[me], results[me], abandon) for me in range(2)], "random", rng)
+    correct = [len(res) > 1 and res[1] == want[1] for res in results]
+    print(f"later chunks of a failed call {'do nothing' if abandon else 'run as usual'}: {verdict}; "
+          f"epochs {[r.epoch for r in ranks]}; the matching call after it correct on each rank: {correct}")
+
+# %% [markdown]
+# And the wrap: the same random sequences with the epoch counters started 3 launches before
+# `2^32 - 1`, so the calls cross it (the parities alternate through it: `..., 2^32 - 1, 2, 3`):
+
+# %%
+verdicts = {}
+for seed in range(25):
+    rng = random.Random(seed)
+    shards, want = random_calls(2, [random.Random(seed).randint(0, 9) for _ in range(6)], rng)
+    ranks = [SimRank(2, capacity=4) for _ in range(2)]
+    for r in ranks:
+        r.epoch = MASK32 - 3
+    results = [[], []]
+    verdict = run([program(ranks, me, shards[me], results[me]) for me in range(2)], "random", rng)
+    verdict = "WRONG" if verdict == "ok" and any(res != want for res in results) else verdict
+    verdicts[verdict] = verdicts.get(verdict, 0) + 1
+print(f"2 ranks across the epoch wrap: {verdicts}; epochs at the end {[r.epoch for r in ranks]}")
+
+# %% [markdown]
 # What the simulation leaves out: the real kernel runs many CTAs per rank, each owning a tile of
 # tokens, and the argument that they cannot deadlock is that **every CTA pushes all its partial
 # sums before it waits**, and CTAs are dispatched in index order (tokens in order). On every rank
 # the resident CTAs have therefore already pushed; take the rank whose first not-yet-dispatched
 # token is smallest: all peers have pushed every token before it, so its resident CTAs complete
-# and free room for the next ones. The last CTA of a launch advances the epoch (a counter of
-# finished CTAs), and stream order publishes it to the next launch.
+# and free room for the next ones. The last CTA of a launch to have read the epoch advances it (a
+# counter of CTAs), and stream order publishes it to the next launch.
 #
 # The workspace per rank: two parities of `capacity x 2 tensors x world` words of 8 bytes, plus
 # the headers; calls above the capacity run as several launches:
