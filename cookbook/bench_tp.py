@@ -114,15 +114,11 @@ def make_sets(shape, dtype, rank, world, count):
     return full, sets
 
 
-def impl_args(a) -> tuple:
-    return (a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group)
-
-
 def check_once(impl, full, rank, world, dtype) -> str:
     """"" if one call on fresh shards agrees with the gathered reference, else the report."""
     shard = tp.shard_of(full, rank, world)
     a = tp.check_inputs(**shard, eps=bench.EPS, weight_offset=bench.WEIGHT_OFFSET, rounding="fused")
-    impl.build()(*impl_args(a))
+    impl.build()(*bench.positional(a))
     expected = tp.expected(full, rank, world, bench.EPS, bench.WEIGHT_OFFSET, "fused")
     bad = []
     for name in ("q_shard", "k_shard"):
@@ -183,7 +179,7 @@ def run_shape(shape, dtype, rank, world, group, meta, only=None) -> list[dict]:
                 if row["error"]:
                     rows.append(row)
                     continue
-                fn, per_set = target.build(), [impl_args(a) for a, _ in sets]
+                fn, per_set = target.build(), [bench.positional(a) for a, _ in sets]
             else:
                 fn = target
             estimate, _ = time_per_call(fn, per_set, len(per_set))
@@ -264,7 +260,7 @@ def tour(rank: int, world: int) -> int:
                     try:
                         a = tp.check_inputs(**shard, eps=bench.EPS, weight_offset=bench.WEIGHT_OFFSET,
                                             rounding=rounding, group=group)
-                        impl.fn(*impl_args(a))
+                        impl.fn(*bench.positional(a))
                         verdicts = [agreement(f"{impl.name}:{n}", shard[n], *want[n], rounding, tp.TOLERANCES[dtype])
                                     for n in ("q_shard", "k_shard")]
                         mine = (all(v.ok for v in verdicts), max(v.max_ulp for v in verdicts),

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from cookbook.bench_tp import MULTICAST_OFF
+
 ROOT = Path(__file__).resolve().parents[1]
 NPROC = 2
 TIMEOUT_S = 900
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < NPROC, reason=f"needs {NPROC} CUDA GPUs")
 

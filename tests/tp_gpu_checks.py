@@ -30,7 +30,7 @@ os.environ.setdefault("COOKBOOK_TP_CAPACITY_TOKENS", "1024")  # before cookbook.
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from cookbook import registry  # noqa: E402
+from cookbook import bench, registry  # noqa: E402
 from cookbook.ops import tp_qk_norm as tp  # noqa: E402
 from cookbook.testing import agreement  # noqa: E402
 
@@ -47,9 +47,13 @@ def check_shards(label, shard, full, rank, world, eps=1e-6, weight_offset=0.0, r
             failures.append(r.message)
 
 
-def run(fn, shard, eps=1e-6, weight_offset=0.0, rounding="fused"):
-    a = tp.check_inputs(**shard, eps=eps, weight_offset=weight_offset, rounding=rounding)
-    fn(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group)
+def args_of(shard, eps=1e-6, weight_offset=0.0, rounding="fused"):
+    """The registry's calling convention: the checked arguments in field order."""
+    return bench.positional(tp.check_inputs(**shard, eps=eps, weight_offset=weight_offset, rounding=rounding))
+
+
+def run(fn, shard, **options):
+    fn(*args_of(shard, **options))
 
 
 def check_agreement(rank, world, small):
@@ -95,15 +99,10 @@ def check_reuse(rank, world, calls):
             check_shards(f"reuse call {i} T={t}", shard, full, rank, world)
         else:  # cheap check every call: against the float32 reference on gathered-equivalent math
             ref = tp.shard_of(full, rank, world)
-            tp.reference(*run_args(ref))
+            tp.reference(*args_of(ref))
             for name in ("q_shard", "k_shard"):
                 if not torch.allclose(shard[name].float(), ref[name].float(), rtol=2e-2, atol=1e-2):
                     failures.append(f"reuse call {i} T={t} {name}: differs from the reference")
-
-
-def run_args(shard):
-    a = tp.check_inputs(**shard, eps=1e-6, weight_offset=0.0, rounding="fused")
-    return a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group
 
 
 def check_graph(rank, world):
