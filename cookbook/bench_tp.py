@@ -71,11 +71,15 @@ def launch(nproc: int | None, argv: list[str]) -> int:
     if nproc < 2 or nproc > gpus:
         print(f"{OP}: needs 2..{gpus} ranks with one GPU each; {gpus} GPU(s) visible, asked for {nproc}: skipped")
         return 0
-    env = {**os.environ, **MULTICAST_OFF}
+    return _torchrun(nproc, argv, MULTICAST_OFF)
+
+
+def _torchrun(nproc: int, argv: list[str], env: dict) -> int:
+    """This module on `nproc` local ranks under torchrun, with `env` added to the environment."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "cookbook.bench_tp", *argv]
     print("$", shlex.join(cmd), flush=True)
-    return subprocess.run(cmd, env=env).returncode
+    return subprocess.run(cmd, env={**os.environ, **env}).returncode
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,12 +289,8 @@ def tour(rank: int, world: int) -> int:
 
 def launch_tour(nproc: int = DEFAULT_NPROC) -> int:
     """The CPU tour under torchrun: `nproc` gloo ranks on this machine."""
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(bench.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "cookbook.bench_tp", "--tour"]
-    print("$", shlex.join(cmd), flush=True)
-    return subprocess.run(cmd, env=env).returncode
+    path = os.pathsep.join(p for p in (str(bench.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return _torchrun(nproc, ["--tour"], {"NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": path})
 
 
 def metadata(command: str, dtype, world: int) -> dict:
@@ -320,6 +320,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tour", action="store_true", help="the CPU tour on gloo ranks (no timing)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    known = [impl.name for impl in registry.implementations(OP)] + [NCCL_SUMS, SYMM_MEM_SUMS, LOCAL_SHARD]
+    unknown = sorted(set(args.impls.split(",")) - set(known)) if args.impls else []
+    if unknown:
+        parser.error(f"--impls: unknown row(s) {unknown}; expected names from {known}")
     if args.tour:
         if not under_torchrun():
             return launch_tour(args.nproc or DEFAULT_NPROC)

@@ -165,3 +165,12 @@ def test_the_collective_tour_runs_on_two_gloo_ranks():
     expected = len(tp_contract.SIM_SHAPES) * len(bench.TOUR_DTYPES) * len(bench.ROUNDINGS) * len(
         [impl for impl in registry.implementations("tp_qk_norm") if impl.unavailable("cpu") is None])
     assert f"{expected} of {expected} runs agree on every rank." in run.stdout, run.stdout[-3000:]
+
+
+def test_the_collective_bench_rejects_an_unknown_row(capsys):
+    from cookbook import bench_tp
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_tp.main(["--impls", "cuda_v1,cuda_v99"])
+    assert exit_info.value.code == 2
+    assert "--impls: unknown row(s) ['cuda_v99']" in capsys.readouterr().err
