@@ -14,6 +14,8 @@
 // v1: the unfused pair engines started from: a warp-per-row norm kernel writes float32 rows, then a separate rope kernel rotates them (two launches, an extra round trip through memory)
 // v2: fused, one warp per (token, head): norm and rope in one launch, each lane owns whole (a, b) pairs so no partner exchange is needed - removes v1's second launch and round trip
 // v3: 16-byte vectors held in registers, lanes sized to the head, the NeoX partner fetched by a warp shuffle, cos/sin read once per token and reused across its heads, persistent grid - removes v2's second read, narrow loads and per-head cache reads
+// v4: one row per lane group at a time with cos/sin and the weights read per row as 16-byte vectors from L1, and no division in the row walk - removes the 79 registers v3 spends holding them across heads, which left 3 blocks per SM (37 % occupancy) and one load in flight per lane
+// v5: v4's kernel with the row the group handles next prefetched into L1 while this one is worked on - removes the wait on DRAM at the top of every step: bytes in flight no longer grow only with resident warps
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm_rope.cu is the torch glue.
 #pragma once
@@ -387,6 +389,235 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 }
 
 // ------------------------------------------------------------------------------------------
+// v4: one row per lane group at a time with cos/sin and the weights read per row as 16-byte vectors from L1, and no division in the row walk - removes the 79 registers v3 spends holding them across heads, which left 3 blocks per SM (37 % occupancy) and one load in flight per lane
+// The geometry of v3 (V3Traits) without work items: a group of kThreadsPerHead lanes owns one
+// (token, head) row per step and the block strides over rows, as qk_norm v3 does. v3 kept a
+// token's cos/sin (and both weights) in registers to reuse them across heads; that is 2 x
+// kElemsPerThread floats for cos/sin and as many for the weights, on top of x, n and the
+// partners. v4 reloads them for every row instead: a token's heads are neighbouring rows, handled
+// by neighbouring groups of the same block at the same moment, so those reloads hit L1 and cost
+// load instructions, not DRAM bytes; with fewer registers more warps are resident, and more
+// warps are more loads of x in flight. The (token, head) of a row is advanced by the grid's
+// stride instead of divided out per row.
+// ------------------------------------------------------------------------------------------
+
+// N contiguous elements of storage type S as float32, read in aligned loads of up to 16 bytes.
+// `src` must be aligned to the load size, min(N * sizeof(S), 16) bytes.
+template <typename S, int N>
+__device__ __forceinline__ void load_floats(const S* src, float (&out)[N]) {
+  constexpr int kMaxChunk = kVecBytes / static_cast<int>(sizeof(S));
+  constexpr int kChunk = N < kMaxChunk ? N : kMaxChunk;
+  static_assert(N % kChunk == 0, "N is a whole number of loads");
+  struct alignas(kChunk * sizeof(S)) Chunk {
+    S v[kChunk];
+  };
+  const Chunk* chunks = reinterpret_cast<const Chunk*>(src);
+#pragma unroll
+  for (int c = 0; c < N / kChunk; ++c) {
+    const Chunk chunk = chunks[c];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) out[c * kChunk + j] = to_float<S>(chunk.v[j]);
+  }
+}
+
+// The same from a buffer stored in the activation dtype T or in float32 (a uniform branch).
+template <typename T, int N>
+__device__ __forceinline__ void load_floats(const void* base, bool is_fp32, int64_t offset, float (&out)[N]) {
+  if (is_fp32) {
+    load_floats<float, N>(static_cast<const float*>(base) + offset, out);
+  } else {
+    load_floats<T, N>(static_cast<const T*>(base) + offset, out);
+  }
+}
+
+// cos and sin of the kVecElems dims of vector `v` of a row (v * kVecElems < rope_dim): NeoX, the
+// vector's dims are kVecElems consecutive pairs; interleaved, kVecElems / 2 pairs, each used by
+// two neighbouring dims. `row` -1 (out of range) gives NaN; HF order rounds them to T.
+template <typename T, int kVecElems, bool kHfRounding>
+__device__ __forceinline__ void load_cos_sin_vec(const Params& p, int64_t row, int v, float (&cos)[kVecElems],
+                                                 float (&sin)[kVecElems]) {
+  static_assert(kVecElems % 2 == 0, "an interleaved pair never straddles two vectors");
+  if (row < 0) {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) cos[j] = sin[j] = NAN;
+    return;
+  }
+  const int half = p.rope_dim / 2;
+  const int64_t base = row * p.rope_dim;
+  if (p.is_neox) {
+    const int first_pair = v * kVecElems < half ? v * kVecElems : v * kVecElems - half;
+    load_floats<T, kVecElems>(p.cos_sin_cache, p.cache_is_fp32, base + first_pair, cos);
+    load_floats<T, kVecElems>(p.cos_sin_cache, p.cache_is_fp32, base + half + first_pair, sin);
+  } else {
+    constexpr int kPairs = kVecElems / 2;
+    float pair_cos[kPairs], pair_sin[kPairs];
+    load_floats<T, kPairs>(p.cos_sin_cache, p.cache_is_fp32, base + v * kPairs, pair_cos);
+    load_floats<T, kPairs>(p.cos_sin_cache, p.cache_is_fp32, base + half + v * kPairs, pair_sin);
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) {
+      cos[j] = pair_cos[j / 2];
+      sin[j] = pair_sin[j / 2];
+    }
+  }
+  if constexpr (kHfRounding) {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) {
+      cos[j] = round_to<T>(cos[j]);
+      sin[j] = round_to<T>(sin[j]);
+    }
+  }
+}
+
+// kPrefetchSteps: how many steps ahead the group prefetches its rows (0: v4, 1: v5).
+template <typename T, int kHeadDim, bool kHfRounding, int kPrefetchSteps>
+__global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
+    qk_norm_rope_v4_kernel(Params p, int64_t rows) {
+  using Tr = V3Traits<T, kHeadDim>;
+  constexpr int kVecElems = Tr::kVecElems;
+  constexpr int kElems = Tr::kElemsPerThread;
+  const int lane = threadIdx.x % Tr::kThreadsPerHead;  // lane within its head group
+  const int group = threadIdx.x / Tr::kThreadsPerHead;
+  const int heads = p.num_q_heads + p.num_kv_heads;
+  auto vector_of = [&](int i) { return i * Tr::kThreadsPerHead + lane; };
+
+  // Each vector slot's place in the rotation, as in v3.
+  const int half_vecs = p.rope_dim / 2 / kVecElems;
+  bool is_rotated[Tr::kVecsPerThread], is_first[Tr::kVecsPerThread];
+  int partner_lane[Tr::kVecsPerThread], partner_slot[Tr::kVecsPerThread];
+#pragma unroll
+  for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+    const int v = vector_of(i);
+    is_rotated[i] = v * kVecElems < p.rope_dim;
+    is_first[i] = v < half_vecs;
+    const int partner = is_rotated[i] ? (is_first[i] ? v + half_vecs : v - half_vecs) : v;
+    partner_lane[i] = partner % Tr::kThreadsPerHead;
+    partner_slot[i] = partner / Tr::kThreadsPerHead;
+  }
+
+  // The walk: row = token * heads + head, advanced by the grid's row stride each step.
+  const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kGroupsPerBlock;
+  const int64_t token_step = row_stride / heads;
+  const int head_step = static_cast<int>(row_stride % heads);
+  auto advance = [&](int64_t& token, int& head) {
+    token += token_step;
+    head += head_step;
+    if (head >= heads) {
+      head -= heads;
+      ++token;
+    }
+  };
+  const int64_t my_first_row = static_cast<int64_t>(blockIdx.x) * Tr::kGroupsPerBlock + group;
+  int64_t token = my_first_row / heads;
+  int head = static_cast<int>(my_first_row % heads);
+
+  // `first` is uniform across the block, so every lane runs the same iterations and the group
+  // shuffles never miss a lane; rows past the end compute on zeros and store nothing.
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kGroupsPerBlock; first < rows; first += row_stride) {
+    const bool active = first + group < rows;
+    const bool is_q = head < p.num_q_heads;
+    const Row<T> r = active ? locate_row<T>(p, token, head) : Row<T>{nullptr, nullptr};
+    const int64_t cache = active ? cache_row(p, token) : -1;  // first: the cos/sin loads wait on it
+    if constexpr (kPrefetchSteps > 0) {
+      int64_t ahead_token = token;
+      int ahead_head = head;
+#pragma unroll
+      for (int step = 1; step <= kPrefetchSteps; ++step) {
+        advance(ahead_token, ahead_head);
+        if (first + step * row_stride + group < rows) {
+          const Row<T> ahead = locate_row<T>(p, ahead_token, ahead_head);
+#pragma unroll
+          for (int i = 0; i < Tr::kVecsPerThread; ++i) prefetch_l1(ahead.x + vector_of(i) * kVecElems);
+        }
+      }
+    }
+
+    Vec<T> x[Tr::kVecsPerThread];
+#pragma unroll
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+      if (active) {
+        x[i] = load_vec<T>(r.x + vector_of(i) * kVecElems);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVecElems; ++j) x[i].v[j] = from_float<T>(0.f);
+      }
+    }
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+#pragma unroll
+      for (int j = 0; j < kVecElems; ++j) {
+        const float xf = to_float<T>(x[i].v[j]);
+        sum_sq += xf * xf;
+      }
+    }
+    const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
+
+    float n[kElems];
+    const void* w_row = is_q ? p.q_weight : p.k_weight;
+#pragma unroll
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+      float w[kVecElems];
+      load_floats<T, kVecElems>(w_row, p.weight_is_fp32, vector_of(i) * kVecElems, w);
+#pragma unroll
+      for (int j = 0; j < kVecElems; ++j) {
+        const float w_eff = effective_weight<T, kHfRounding>(w[j], p.weight_offset);
+        n[i * kVecElems + j] = normalized<T, kHfRounding>(to_float<T>(x[i].v[j]), rstd, w_eff);
+      }
+    }
+
+    // The partners, exchanged exactly as in v3.
+    float partner[kElems];
+    if (p.is_neox) {
+#pragma unroll
+      for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+#pragma unroll
+        for (int s = 0; s < Tr::kVecsPerThread; ++s) {
+#pragma unroll
+          for (int j = 0; j < kVecElems; ++j) {
+            const float got = __shfl_sync(kFullMask, n[s * kVecElems + j], partner_lane[i], Tr::kThreadsPerHead);
+            if (s == partner_slot[i]) partner[i * kVecElems + j] = got;
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) partner[e] = n[e ^ 1];
+    }
+
+    if (active) {
+#pragma unroll
+      for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+        Vec<T> y;
+        if (is_rotated[i]) {
+          float cos[kVecElems], sin[kVecElems];
+          load_cos_sin_vec<T, kVecElems, kHfRounding>(p, cache, vector_of(i), cos, sin);
+#pragma unroll
+          for (int j = 0; j < kVecElems; ++j) {
+            const int e = i * kVecElems + j;
+            const bool first_member = p.is_neox ? is_first[i] : j % 2 == 0;
+            y.v[j] = from_float<T>(rotated<T, kHfRounding>(n[e], partner[e], first_member, cos[j], sin[j]));
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVecElems; ++j) y.v[j] = from_float<T>(n[i * kVecElems + j]);
+        }
+        store_vec<T>(r.x + vector_of(i) * kVecElems, y);
+      }
+    }
+
+    advance(token, head);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// v5: v4's kernel with the row the group handles next prefetched into L1 while this one is worked on - removes the wait on DRAM at the top of every step: bytes in flight no longer grow only with resident warps
+// The same kernel with kPrefetchSteps = 1. A lane holds one row at a time, so at 64 registers
+// (4 blocks of 256 per SM) an SM has at most 1024 x 16 bytes of x requested, about half of what
+// DRAM needs in flight to stay busy; the prefetch (no register) adds the next row's bytes without
+// costing a resident warp.
+// ------------------------------------------------------------------------------------------
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -410,9 +641,9 @@ inline void launch_v2(const Params& p, int64_t rows, cudaStream_t stream) {
 template <typename T, int kHeadDim, bool kHfRounding>
 inline void launch_v3_fixed(const Params& p, cudaStream_t stream) {
   using Tr = V3Traits<T, kHeadDim>;
-  const auto kernel = qk_norm_rope_v3_kernel<T, kHeadDim, kHfRounding>;
+  constexpr auto kernel = qk_norm_rope_v3_kernel<T, kHeadDim, kHfRounding>;
   const int heads = p.num_q_heads + p.num_kv_heads;
-  const int64_t resident_blocks = persistent_grid_limit(kernel, Tr::kThreadsPerBlock);
+  const int64_t resident_blocks = persistent_grid_limit<kernel>(Tr::kThreadsPerBlock);
   const int64_t resident_groups = resident_blocks * Tr::kGroupsPerBlock;
   const int64_t rows = total_rows(p);
   int64_t heads_per_item = (rows + resident_groups - 1) / resident_groups;  // ceil(rows / groups)
@@ -425,27 +656,53 @@ inline void launch_v3_fixed(const Params& p, cudaStream_t stream) {
                                                                               items_per_token);
 }
 
-// The vector path needs 16-byte aligned rows and rope_dim a multiple of two vectors.
-template <typename T>
-inline bool vector_path_ok(const Params& p) {
-  constexpr int kVecElems = Vec<T>::kElems;
-  return is_aligned(p.q, kVecBytes) && is_aligned(p.k, kVecBytes) && p.q_token_stride % kVecElems == 0 &&
-         p.q_head_stride % kVecElems == 0 && p.k_token_stride % kVecElems == 0 &&
-         p.k_head_stride % kVecElems == 0 && p.rope_dim % (2 * kVecElems) == 0;
+// v4 and v5: the same kernel without and with the prefetch one step ahead.
+template <typename T, int kHeadDim, bool kHfRounding, int kPrefetchSteps>
+inline void launch_v4_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
+  using Tr = V3Traits<T, kHeadDim>;
+  constexpr auto kernel = qk_norm_rope_v4_kernel<T, kHeadDim, kHfRounding, kPrefetchSteps>;
+  const int64_t needed = (rows + Tr::kGroupsPerBlock - 1) / Tr::kGroupsPerBlock;
+  const int64_t resident = persistent_grid_limit<kernel>(Tr::kThreadsPerBlock);
+  const int64_t blocks = needed < resident ? needed : resident;
+  kernel<<<static_cast<unsigned>(blocks), Tr::kThreadsPerBlock, 0, stream>>>(p, rows);
 }
 
+// The vector path needs 16-byte aligned rows and rope_dim a multiple of two vectors; v4 also
+// reads the weights and the cache in vectors, so their base pointers must be 16-byte aligned.
+template <typename T>
+inline bool vector_path_ok(const Params& p, int version) {
+  constexpr int kVecElems = Vec<T>::kElems;
+  const bool rows_ok = is_aligned(p.q, kVecBytes) && is_aligned(p.k, kVecBytes) && p.q_token_stride % kVecElems == 0 &&
+                       p.q_head_stride % kVecElems == 0 && p.k_token_stride % kVecElems == 0 &&
+                       p.k_head_stride % kVecElems == 0 && p.rope_dim % (2 * kVecElems) == 0;
+  const bool tables_ok = is_aligned(p.q_weight, kVecBytes) && is_aligned(p.k_weight, kVecBytes) &&
+                         is_aligned(p.cos_sin_cache, kVecBytes);
+  return rows_ok && (version < 4 || tables_ok);
+}
+
+template <typename T, int kHeadDim, bool kHfRounding>
+inline void launch_vector_path(const Params& p, int64_t rows, int version, cudaStream_t stream) {
+  switch (version) {
+    case 3: return launch_v3_fixed<T, kHeadDim, kHfRounding>(p, stream);
+    case 4: return launch_v4_fixed<T, kHeadDim, kHfRounding, 0>(p, rows, stream);
+    default: return launch_v4_fixed<T, kHeadDim, kHfRounding, 1>(p, rows, stream);
+  }
+}
+
+// v3 and v4: the vector path where head_dim is specialized and the data aligned, else v2's
+// general path (any even head_dim / rope_dim, any alignment).
 template <typename T, bool kHfRounding>
-inline void launch_v3(const Params& p, int64_t rows, cudaStream_t stream) {
-  if (vector_path_ok<T>(p)) {
+inline void launch_vector_or_general(const Params& p, int64_t rows, int version, cudaStream_t stream) {
+  if (vector_path_ok<T>(p, version)) {
     switch (p.head_dim) {
-      case 64: return launch_v3_fixed<T, 64, kHfRounding>(p, stream);
-      case 128: return launch_v3_fixed<T, 128, kHfRounding>(p, stream);
-      case 256: return launch_v3_fixed<T, 256, kHfRounding>(p, stream);
-      case 512: return launch_v3_fixed<T, 512, kHfRounding>(p, stream);
+      case 64: return launch_vector_path<T, 64, kHfRounding>(p, rows, version, stream);
+      case 128: return launch_vector_path<T, 128, kHfRounding>(p, rows, version, stream);
+      case 256: return launch_vector_path<T, 256, kHfRounding>(p, rows, version, stream);
+      case 512: return launch_vector_path<T, 512, kHfRounding>(p, rows, version, stream);
       default: break;
     }
   }
-  launch_v2<T, kHfRounding>(p, rows, stream);  // general path: any even head_dim / rope_dim, any alignment
+  launch_v2<T, kHfRounding>(p, rows, stream);
 }
 
 template <typename T, bool kHfRounding>
@@ -454,7 +711,7 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
   switch (version) {
     case 1: return launch_v1<T, kHfRounding>(p, rows, stream);
     case 2: return launch_v2<T, kHfRounding>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding>(p, rows, stream);
+    default: return launch_vector_or_general<T, kHfRounding>(p, rows, version, stream);
   }
 }
 
@@ -467,7 +724,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 3;
+constexpr int kNumVersions = 5;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 // Version 1 needs `p.scratch` with scratch_elements(p, 1) floats.

@@ -45,6 +45,42 @@ def test_shapes_at_scale(impl, shape, dtype, rounding):
     run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding=rounding)
 
 
+def _shifted(t, elements):
+    """A copy of `t` that starts `elements` past a fresh allocation: contiguous but not 16-byte
+    aligned, so the vector paths must step aside for the general one."""
+    flat = torch.zeros(t.numel() + elements, dtype=t.dtype, device=t.device)
+    view = flat[elements:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("table", ["cos_sin_cache", "weights"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_misaligned_cache_and_weights(impl, table, cache_dtype, is_neox):
+    require(impl)
+    inputs = contract.make_inputs(300, 6, 2, 128, 128, is_neox, torch.bfloat16, "cuda", seed=5, fused_qkv=True,
+                                  cache_dtype=cache_dtype, weight_dtype=torch.float32)
+    if table == "cos_sin_cache":
+        inputs["cos_sin_cache"] = _shifted(inputs["cos_sin_cache"], 1)
+    else:
+        inputs["q_weight"] = _shifted(inputs["q_weight"], 1)
+        inputs["k_weight"] = _shifted(inputs["k_weight"], 3)
+    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding="fused")
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rounding", ["fused", "hf"])
+def test_cache_in_activation_dtype(impl, dtype, is_neox, rounding):
+    require(impl)
+    inputs = contract.make_inputs(515, 8, 2, 128, 64, is_neox, dtype, "cuda", seed=6, fused_qkv=True, cache_dtype=dtype,
+                                  weight_dtype=dtype)
+    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=1.0, rounding=rounding)
+
+
 def _public(inputs):
     inputs = dict(inputs)
     rope = inputs.pop("rope")
@@ -64,7 +100,7 @@ def test_torch_compile_fullgraph():
     assert torch.equal(tensors["q"], eager["q"]) and torch.equal(tensors["k"], eager["k"])
 
 
-@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("version", [1, 3, 5])
 def test_cuda_graph_capture_and_replay(version):
     tensors, kwargs = _public(contract.make_inputs(256, 8, 2, 128, 128, False, torch.bfloat16, "cuda", seed=3, fused_qkv=True))
     impl = registry.get(OP, f"cuda_v{version}")
@@ -109,12 +145,15 @@ def test_auto_backend_is_the_last_cuda_version():
 
 SANITIZED = """
 import torch, cookbook, cookbook.cuda
+from cookbook import registry
 from cookbook.ops import qk_norm_rope as contract
-for version in (1, 2, 3):
-    for is_neox in (False, True):
-        x = contract.make_inputs(5, 3, 1, 128, 64, is_neox, torch.bfloat16, "cuda", seed=version, fused_qkv=True,
-                                 max_position=6)
-        x["positions"][0] = 100  # out of range: must read nothing
+for version in [impl.version for impl in registry.implementations("qk_norm_rope", ("cuda",))]:
+    # 700 tokens x 32 heads: more rows than a persistent grid holds, so the row walks (and v5's
+    # prefetch of the next row) take several steps and stop at the last row.
+    for tokens, is_neox in ((5, False), (5, True), (700, True)):
+        x = contract.make_inputs(tokens, 24, 8, 128, 64, is_neox, torch.bfloat16, "cuda", seed=version, fused_qkv=True,
+                                 max_position=tokens + 1)
+        x["positions"][0] = 100000  # out of range: must read nothing
         cookbook.cuda.qk_norm_rope(x["q"], x["k"], x["q_weight"], x["k_weight"], x["cos_sin_cache"], x["positions"],
                                    1e-6, 0.0, "fused", is_neox, 64, 0, version=version)
 torch.cuda.synchronize()

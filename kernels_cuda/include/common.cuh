@@ -110,6 +110,12 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T>& in) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&in);
 }
 
+// Asks L1 to fetch the line holding `addr` ahead of its load. A prefetch writes no register, so
+// it puts bytes in flight without the register cost of an early load (no occupancy is lost).
+__device__ __forceinline__ void prefetch_l1(const void* addr) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(addr));
+}
+
 __host__ __device__ __forceinline__ bool is_aligned(const void* p, int bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
@@ -141,18 +147,20 @@ __device__ __forceinline__ T normalize(float x, float rstd, float w_eff) {
 }
 
 // Host: a kernel's resident blocks per SM times the SMs: the size of a persistent grid. Cached
-// per device (one cache per kernel instantiation); the occupancy query is not free on a hot path.
+// per device and per kernel: the kernel is a template argument, so every kernel instantiation
+// has its own cache (a cache per function-pointer *type* would be shared by every kernel of the
+// same signature, whatever their occupancy). The occupancy query is not free on a hot path.
 constexpr int kMaxDevices = 64;
 
-template <typename Kernel>
-inline int persistent_grid_limit(Kernel kernel, int threads_per_block) {
+template <auto kKernel>
+inline int persistent_grid_limit(int threads_per_block) {
   static int cached[kMaxDevices] = {};
   int device = 0;
   cudaGetDevice(&device);
   if (device < kMaxDevices && cached[device] > 0) return cached[device];
   int sms = 0, blocks_per_sm = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads_per_block, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kKernel, threads_per_block, 0);
   const int limit = sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
   if (device < kMaxDevices) cached[device] = limit;
   return limit;
