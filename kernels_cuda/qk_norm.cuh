@@ -12,7 +12,6 @@
 // v2: one warp per (token, head) with a shuffle reduction: lanes read neighbouring elements (coalesced) - removes v1's scattered loads
 // v3: 16-byte vectors held in registers, lanes sized to the head, q and k on a persistent grid with the weights loaded once per thread - removes v2's second read and narrow loads
 // v4: a 32-bit row -> (token, head) division where rows < 2^32 - removes most of v3's per-row index arithmetic
-// v5: v4's kernel with the row the group handles next prefetched into L1 while this one is worked on - removes the wait on DRAM at the top of every step: bytes in flight no longer grow only with resident warps
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -139,9 +138,8 @@ struct V3Traits {
   static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
 };
 
-// v3 divides with RowIndex = int64_t; v4 (below) is this kernel with RowIndex = uint32_t, and v5
-// is v4 with kPrefetchNext.
-template <typename T, int kHeadDim, bool kHfRounding, typename RowIndex, bool kPrefetchNext = false>
+// v3 divides with RowIndex = int64_t; v4 (below) is this kernel with RowIndex = uint32_t.
+template <typename T, int kHeadDim, bool kHfRounding, typename RowIndex>
 __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_v3_kernel(Params p, int64_t rows) {
   using Tr = V3Traits<T, kHeadDim>;
@@ -170,13 +168,6 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     const int64_t row = first + head_in_block;
     const bool active = row < rows;
     const Row<T> r = active ? locate_row<T, RowIndex>(p, static_cast<RowIndex>(row)) : Row<T>{nullptr, nullptr, false};
-    if constexpr (kPrefetchNext) {
-      if (row + row_stride < rows) {
-        const Row<T> next = locate_row<T, RowIndex>(p, static_cast<RowIndex>(row + row_stride));
-#pragma unroll
-        for (int i = 0; i < Tr::kVecsPerThread; ++i) prefetch_l1(next.x + column(i, 0));
-      }
-    }
 
     Vec<T> x[Tr::kVecsPerThread];
 #pragma unroll
@@ -219,15 +210,6 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // lane spends roughly 200 instructions per 16-byte vector, a 64-bit division among them: the SMs
 // issue for about as long as DRAM takes to move the bytes, so fewer instructions can show.
 // ------------------------------------------------------------------------------------------
-
-// ------------------------------------------------------------------------------------------
-// v5: v4's kernel with the row the group handles next prefetched into L1 while this one is worked on - removes the wait on DRAM at the top of every step: bytes in flight no longer grow only with resident warps
-// The same kernel with kPrefetchNext. A lane holds one row's vectors at a time, so with
-// 38 registers (6 blocks of 256 per SM) an SM has at most 1536 x 16 bytes of x requested; the
-// prefetch (no register) doubles that without costing a resident warp.
-// ------------------------------------------------------------------------------------------
-
-// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -242,7 +224,7 @@ inline void launch_v2(const Params& p, int64_t rows, cudaStream_t stream) {
   qk_norm_v2_kernel<T, kHfRounding><<<static_cast<unsigned>(blocks), kV2Threads, 0, stream>>>(p, rows);
 }
 
-// kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32; 5: 4 with the prefetch.
+// kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32.
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
@@ -250,7 +232,7 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
   }
   using Tr = V3Traits<T, kHeadDim>;
   using RowIndex = std::conditional_t<kVersion >= 4, uint32_t, int64_t>;
-  constexpr auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, (kVersion >= 5)>;
+  constexpr auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex>;
   const int64_t needed = (rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock;
   const int64_t resident = persistent_grid_limit<kernel>(Tr::kThreadsPerBlock);
   const int64_t blocks = needed < resident ? needed : resident;
@@ -287,8 +269,7 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 1: return launch_v1<T, kHfRounding>(p, rows, stream);
     case 2: return launch_v2<T, kHfRounding>(p, rows, stream);
     case 3: return launch_v3<T, kHfRounding, 3>(p, rows, stream);
-    case 4: return launch_v3<T, kHfRounding, 4>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding, 5>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 4>(p, rows, stream);
   }
 }
 
@@ -301,7 +282,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 5;
+constexpr int kNumVersions = 4;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

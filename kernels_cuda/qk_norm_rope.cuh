@@ -14,8 +14,7 @@
 // v1: the unfused pair engines started from: a warp-per-row norm kernel writes float32 rows, then a separate rope kernel rotates them (two launches, an extra round trip through memory)
 // v2: fused, one warp per (token, head): norm and rope in one launch, each lane owns whole (a, b) pairs so no partner exchange is needed - removes v1's second launch and round trip
 // v3: 16-byte vectors held in registers, lanes sized to the head, the NeoX partner fetched by a warp shuffle, cos/sin read once per token and reused across its heads, persistent grid - removes v2's second read, narrow loads and per-head cache reads
-// v4: one row per lane group at a time with cos/sin and the weights read per row as 16-byte vectors from L1, and no division in the row walk - removes the 79 registers v3 spends holding them across heads, which left 3 blocks per SM (37 % occupancy) and one load in flight per lane
-// v5: v4's kernel with the row the group handles next prefetched into L1 while this one is worked on - removes the wait on DRAM at the top of every step: bytes in flight no longer grow only with resident warps
+// v4: lanes own whole rotation pairs: a NeoX lane holds a 16-byte vector of the first half and its partner vector of the second half, so one run of cos/sin serves both and no shuffle fetches a partner; a lane keeps one row at a time - removes v3's partner shuffles, half its cos/sin loads and the registers it spends keeping a token's cos/sin and both weights across heads (79 -> 64: 4 blocks per SM instead of 3)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm_rope.cu is the torch glue.
 #pragma once
@@ -389,17 +388,35 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 }
 
 // ------------------------------------------------------------------------------------------
-// v4: one row per lane group at a time with cos/sin and the weights read per row as 16-byte vectors from L1, and no division in the row walk - removes the 79 registers v3 spends holding them across heads, which left 3 blocks per SM (37 % occupancy) and one load in flight per lane
-// The geometry of v3 (V3Traits) without work items: a group of kThreadsPerHead lanes owns one
-// (token, head) row per step and the block strides over rows, as qk_norm v3 does. v3 kept a
-// token's cos/sin (and both weights) in registers to reuse them across heads; that is 2 x
-// kElemsPerThread floats for cos/sin and as many for the weights, on top of x, n and the
-// partners. v4 reloads them for every row instead: a token's heads are neighbouring rows, handled
-// by neighbouring groups of the same block at the same moment, so those reloads hit L1 and cost
-// load instructions, not DRAM bytes; with fewer registers more warps are resident, and more
-// warps are more loads of x in flight. The (token, head) of a row is advanced by the grid's
-// stride instead of divided out per row.
+// v4: lanes own whole rotation pairs: a NeoX lane holds a 16-byte vector of the first half and its partner vector of the second half, so one run of cos/sin serves both and no shuffle fetches a partner; a lane keeps one row at a time - removes v3's partner shuffles, half its cos/sin loads and the registers it spends keeping a token's cos/sin and both weights across heads (79 -> 64: 4 blocks per SM instead of 3)
+// A row's 16-byte vectors are grouped in units of two: unit u < h (h = rope_dim / 2 / vector,
+// the rotated units) is NeoX vectors (u, u + h), which hold the a and b members of the same
+// kVecElems pairs, or interleaved vectors (2u, 2u + 1), whose pairs sit inside each vector; either
+// way the unit's pairs are u * kVecElems ... + kVecElems - 1, one contiguous run of cos and one of
+// sin. Units u >= h are two neighbouring pass-through vectors (2u, 2u + 1). A group of
+// kThreadsPerHead lanes owns a row, lane `lane` its units lane, lane + kThreadsPerHead, ...; the
+// block strides over rows. A lane has twice v3's bytes of x in flight (two vectors) with half as
+// many lanes per row, so a warp works on twice as many rows at once. The weights and cos/sin are
+// re-read for every row: a token's heads are neighbouring rows, handled by neighbouring groups
+// at the same moment, so these hit L1 (v3 kept them in registers across a token's heads). The
+// (token, head) of a row is advanced by the grid's stride instead of divided out per row.
 // ------------------------------------------------------------------------------------------
+template <typename T, int kHeadDim>
+struct V4Traits {
+  static constexpr int kVecElems = Vec<T>::kElems;  // 4 fp32, 8 fp16/bf16
+  static constexpr int kVecsPerHead = kHeadDim / kVecElems;
+  static constexpr int kUnitsPerHead = kVecsPerHead / 2;
+  static constexpr int kThreadsPerHead = kUnitsPerHead < kWarpSize ? kUnitsPerHead : kWarpSize;
+  static constexpr int kUnitsPerThread = kUnitsPerHead / kThreadsPerHead;
+  static constexpr int kThreadsPerBlock = 256;
+  static constexpr int kGroupsPerBlock = kThreadsPerBlock / kThreadsPerHead;
+
+  static_assert(kHeadDim % (2 * kVecElems) == 0, "a head is a whole number of two-vector units");
+  static_assert(kUnitsPerHead % kThreadsPerHead == 0, "every lane of a head holds as many units");
+  static_assert(kWarpSize % kThreadsPerHead == 0, "heads tile a warp, so a shuffle group never spans two warps");
+  static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
+  static_assert(kVecElems % 2 == 0, "an interleaved pair never straddles two vectors");
+};
 
 // N contiguous elements of storage type S as float32, read in aligned loads of up to 16 bytes.
 // `src` must be aligned to the load size, min(N * sizeof(S), 16) bytes.
@@ -430,68 +447,49 @@ __device__ __forceinline__ void load_floats(const void* base, bool is_fp32, int6
   }
 }
 
-// cos and sin of the kVecElems dims of vector `v` of a row (v * kVecElems < rope_dim): NeoX, the
-// vector's dims are kVecElems consecutive pairs; interleaved, kVecElems / 2 pairs, each used by
-// two neighbouring dims. `row` -1 (out of range) gives NaN; HF order rounds them to T.
-template <typename T, int kVecElems, bool kHfRounding>
-__device__ __forceinline__ void load_cos_sin_vec(const Params& p, int64_t row, int v, float (&cos)[kVecElems],
-                                                 float (&sin)[kVecElems]) {
-  static_assert(kVecElems % 2 == 0, "an interleaved pair never straddles two vectors");
+// cos and sin of the kPairs pairs from `first_pair` on, in cache row `row`, read as vectors; row -1
+// (out of range) gives NaN. HF order rounds them to T.
+template <typename T, int kPairs, bool kHfRounding>
+__device__ __forceinline__ void load_cos_sin_run(const Params& p, int64_t row, int first_pair, float (&cos)[kPairs],
+                                                 float (&sin)[kPairs]) {
   if (row < 0) {
 #pragma unroll
-    for (int j = 0; j < kVecElems; ++j) cos[j] = sin[j] = NAN;
+    for (int j = 0; j < kPairs; ++j) cos[j] = sin[j] = NAN;
     return;
   }
-  const int half = p.rope_dim / 2;
-  const int64_t base = row * p.rope_dim;
-  if (p.is_neox) {
-    const int first_pair = v * kVecElems < half ? v * kVecElems : v * kVecElems - half;
-    load_floats<T, kVecElems>(p.cos_sin_cache, p.cache_is_fp32, base + first_pair, cos);
-    load_floats<T, kVecElems>(p.cos_sin_cache, p.cache_is_fp32, base + half + first_pair, sin);
-  } else {
-    constexpr int kPairs = kVecElems / 2;
-    float pair_cos[kPairs], pair_sin[kPairs];
-    load_floats<T, kPairs>(p.cos_sin_cache, p.cache_is_fp32, base + v * kPairs, pair_cos);
-    load_floats<T, kPairs>(p.cos_sin_cache, p.cache_is_fp32, base + half + v * kPairs, pair_sin);
-#pragma unroll
-    for (int j = 0; j < kVecElems; ++j) {
-      cos[j] = pair_cos[j / 2];
-      sin[j] = pair_sin[j / 2];
-    }
-  }
+  const int64_t cos_at = row * p.rope_dim + first_pair;
+  load_floats<T, kPairs>(p.cos_sin_cache, p.cache_is_fp32, cos_at, cos);
+  load_floats<T, kPairs>(p.cos_sin_cache, p.cache_is_fp32, cos_at + p.rope_dim / 2, sin);
   if constexpr (kHfRounding) {
 #pragma unroll
-    for (int j = 0; j < kVecElems; ++j) {
+    for (int j = 0; j < kPairs; ++j) {
       cos[j] = round_to<T>(cos[j]);
       sin[j] = round_to<T>(sin[j]);
     }
   }
 }
 
-// kPrefetchSteps: how many steps ahead the group prefetches its rows (0: v4, 1: v5).
-template <typename T, int kHeadDim, bool kHfRounding, int kPrefetchSteps>
-__global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
+template <typename T, int kHeadDim, bool kHfRounding>
+__global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_rope_v4_kernel(Params p, int64_t rows) {
-  using Tr = V3Traits<T, kHeadDim>;
+  using Tr = V4Traits<T, kHeadDim>;
   constexpr int kVecElems = Tr::kVecElems;
-  constexpr int kElems = Tr::kElemsPerThread;
   const int lane = threadIdx.x % Tr::kThreadsPerHead;  // lane within its head group
   const int group = threadIdx.x / Tr::kThreadsPerHead;
   const int heads = p.num_q_heads + p.num_kv_heads;
-  auto vector_of = [&](int i) { return i * Tr::kThreadsPerHead + lane; };
 
-  // Each vector slot's place in the rotation, as in v3.
-  const int half_vecs = p.rope_dim / 2 / kVecElems;
-  bool is_rotated[Tr::kVecsPerThread], is_first[Tr::kVecsPerThread];
-  int partner_lane[Tr::kVecsPerThread], partner_slot[Tr::kVecsPerThread];
+  // This lane's units: their index, whether they rotate, and the columns of their two vectors.
+  const int rotated_units = p.rope_dim / 2 / kVecElems;
+  int unit[Tr::kUnitsPerThread], col_a[Tr::kUnitsPerThread], col_b[Tr::kUnitsPerThread];
+  bool rotates[Tr::kUnitsPerThread];
 #pragma unroll
-  for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-    const int v = vector_of(i);
-    is_rotated[i] = v * kVecElems < p.rope_dim;
-    is_first[i] = v < half_vecs;
-    const int partner = is_rotated[i] ? (is_first[i] ? v + half_vecs : v - half_vecs) : v;
-    partner_lane[i] = partner % Tr::kThreadsPerHead;
-    partner_slot[i] = partner / Tr::kThreadsPerHead;
+  for (int s = 0; s < Tr::kUnitsPerThread; ++s) {
+    const int u = s * Tr::kThreadsPerHead + lane;
+    unit[s] = u;
+    rotates[s] = u < rotated_units;
+    const bool halves = p.is_neox && rotates[s];  // NeoX pair: (u, u + h); otherwise neighbours
+    col_a[s] = (halves ? u : 2 * u) * kVecElems;
+    col_b[s] = (halves ? u + rotated_units : 2 * u + 1) * kVecElems;
   }
 
   // The walk: row = token * heads + head, advanced by the grid's row stride each step.
@@ -517,91 +515,66 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     const bool is_q = head < p.num_q_heads;
     const Row<T> r = active ? locate_row<T>(p, token, head) : Row<T>{nullptr, nullptr};
     const int64_t cache = active ? cache_row(p, token) : -1;  // first: the cos/sin loads wait on it
-    if constexpr (kPrefetchSteps > 0) {
-      int64_t ahead_token = token;
-      int ahead_head = head;
-#pragma unroll
-      for (int step = 1; step <= kPrefetchSteps; ++step) {
-        advance(ahead_token, ahead_head);
-        if (first + step * row_stride + group < rows) {
-          const Row<T> ahead = locate_row<T>(p, ahead_token, ahead_head);
-#pragma unroll
-          for (int i = 0; i < Tr::kVecsPerThread; ++i) prefetch_l1(ahead.x + vector_of(i) * kVecElems);
-        }
-      }
-    }
 
-    Vec<T> x[Tr::kVecsPerThread];
+    Vec<T> xa[Tr::kUnitsPerThread], xb[Tr::kUnitsPerThread];
 #pragma unroll
-    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+    for (int s = 0; s < Tr::kUnitsPerThread; ++s) {
       if (active) {
-        x[i] = load_vec<T>(r.x + vector_of(i) * kVecElems);
+        xa[s] = load_vec<T>(r.x + col_a[s]);
+        xb[s] = load_vec<T>(r.x + col_b[s]);
       } else {
 #pragma unroll
-        for (int j = 0; j < kVecElems; ++j) x[i].v[j] = from_float<T>(0.f);
+        for (int j = 0; j < kVecElems; ++j) xa[s].v[j] = xb[s].v[j] = from_float<T>(0.f);
       }
     }
     float sum_sq = 0.f;
 #pragma unroll
-    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+    for (int s = 0; s < Tr::kUnitsPerThread; ++s) {
 #pragma unroll
       for (int j = 0; j < kVecElems; ++j) {
-        const float xf = to_float<T>(x[i].v[j]);
-        sum_sq += xf * xf;
+        const float a = to_float<T>(xa[s].v[j]), b = to_float<T>(xb[s].v[j]);
+        sum_sq += a * a + b * b;
       }
     }
     const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
 
-    float n[kElems];
-    const void* w_row = is_q ? p.q_weight : p.k_weight;
-#pragma unroll
-    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-      float w[kVecElems];
-      load_floats<T, kVecElems>(w_row, p.weight_is_fp32, vector_of(i) * kVecElems, w);
-#pragma unroll
-      for (int j = 0; j < kVecElems; ++j) {
-        const float w_eff = effective_weight<T, kHfRounding>(w[j], p.weight_offset);
-        n[i * kVecElems + j] = normalized<T, kHfRounding>(to_float<T>(x[i].v[j]), rstd, w_eff);
-      }
-    }
-
-    // The partners, exchanged exactly as in v3.
-    float partner[kElems];
-    if (p.is_neox) {
-#pragma unroll
-      for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-#pragma unroll
-        for (int s = 0; s < Tr::kVecsPerThread; ++s) {
-#pragma unroll
-          for (int j = 0; j < kVecElems; ++j) {
-            const float got = __shfl_sync(kFullMask, n[s * kVecElems + j], partner_lane[i], Tr::kThreadsPerHead);
-            if (s == partner_slot[i]) partner[i * kVecElems + j] = got;
-          }
-        }
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < kElems; ++e) partner[e] = n[e ^ 1];
-    }
-
     if (active) {
+      const void* w = is_q ? p.q_weight : p.k_weight;
 #pragma unroll
-      for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-        Vec<T> y;
-        if (is_rotated[i]) {
-          float cos[kVecElems], sin[kVecElems];
-          load_cos_sin_vec<T, kVecElems, kHfRounding>(p, cache, vector_of(i), cos, sin);
+      for (int s = 0; s < Tr::kUnitsPerThread; ++s) {
+        float wa[kVecElems], wb[kVecElems], na[kVecElems], nb[kVecElems];
+        load_floats<T, kVecElems>(w, p.weight_is_fp32, col_a[s], wa);
+        load_floats<T, kVecElems>(w, p.weight_is_fp32, col_b[s], wb);
+#pragma unroll
+        for (int j = 0; j < kVecElems; ++j) {
+          na[j] = normalized<T, kHfRounding>(to_float<T>(xa[s].v[j]), rstd, effective_weight<T, kHfRounding>(wa[j], p.weight_offset));
+          nb[j] = normalized<T, kHfRounding>(to_float<T>(xb[s].v[j]), rstd, effective_weight<T, kHfRounding>(wb[j], p.weight_offset));
+        }
+        Vec<T> ya, yb;
+        if (rotates[s]) {
+          float cos[kVecElems], sin[kVecElems];  // the unit's kVecElems pairs
+          load_cos_sin_run<T, kVecElems, kHfRounding>(p, cache, unit[s] * kVecElems, cos, sin);
 #pragma unroll
           for (int j = 0; j < kVecElems; ++j) {
-            const int e = i * kVecElems + j;
-            const bool first_member = p.is_neox ? is_first[i] : j % 2 == 0;
-            y.v[j] = from_float<T>(rotated<T, kHfRounding>(n[e], partner[e], first_member, cos[j], sin[j]));
+            if (p.is_neox) {  // a = na[j], b = nb[j]: pair j
+              ya.v[j] = from_float<T>(rotated<T, kHfRounding>(na[j], nb[j], true, cos[j], sin[j]));
+              yb.v[j] = from_float<T>(rotated<T, kHfRounding>(nb[j], na[j], false, cos[j], sin[j]));
+            } else {  // pairs (j, j ^ 1) inside each vector: pair j / 2 of a, kVecElems / 2 + j / 2 of b
+              const bool first_member = j % 2 == 0;
+              const int pair_a = j / 2, pair_b = kVecElems / 2 + j / 2;
+              ya.v[j] = from_float<T>(rotated<T, kHfRounding>(na[j], na[j ^ 1], first_member, cos[pair_a], sin[pair_a]));
+              yb.v[j] = from_float<T>(rotated<T, kHfRounding>(nb[j], nb[j ^ 1], first_member, cos[pair_b], sin[pair_b]));
+            }
           }
         } else {
 #pragma unroll
-          for (int j = 0; j < kVecElems; ++j) y.v[j] = from_float<T>(n[i * kVecElems + j]);
+          for (int j = 0; j < kVecElems; ++j) {
+            ya.v[j] = from_float<T>(na[j]);
+            yb.v[j] = from_float<T>(nb[j]);
+          }
         }
-        store_vec<T>(r.x + vector_of(i) * kVecElems, y);
+        store_vec<T>(r.x + col_a[s], ya);
+        store_vec<T>(r.x + col_b[s], yb);
       }
     }
 
@@ -609,13 +582,6 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
   }
 }
 
-// ------------------------------------------------------------------------------------------
-// v5: v4's kernel with the row the group handles next prefetched into L1 while this one is worked on - removes the wait on DRAM at the top of every step: bytes in flight no longer grow only with resident warps
-// The same kernel with kPrefetchSteps = 1. A lane holds one row at a time, so at 64 registers
-// (4 blocks of 256 per SM) an SM has at most 1024 x 16 bytes of x requested, about half of what
-// DRAM needs in flight to stay busy; the prefetch (no register) adds the next row's bytes without
-// costing a resident warp.
-// ------------------------------------------------------------------------------------------
 
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
@@ -656,11 +622,10 @@ inline void launch_v3_fixed(const Params& p, cudaStream_t stream) {
                                                                               items_per_token);
 }
 
-// v4 and v5: the same kernel without and with the prefetch one step ahead.
-template <typename T, int kHeadDim, bool kHfRounding, int kPrefetchSteps>
+template <typename T, int kHeadDim, bool kHfRounding>
 inline void launch_v4_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
-  using Tr = V3Traits<T, kHeadDim>;
-  constexpr auto kernel = qk_norm_rope_v4_kernel<T, kHeadDim, kHfRounding, kPrefetchSteps>;
+  using Tr = V4Traits<T, kHeadDim>;
+  constexpr auto kernel = qk_norm_rope_v4_kernel<T, kHeadDim, kHfRounding>;
   const int64_t needed = (rows + Tr::kGroupsPerBlock - 1) / Tr::kGroupsPerBlock;
   const int64_t resident = persistent_grid_limit<kernel>(Tr::kThreadsPerBlock);
   const int64_t blocks = needed < resident ? needed : resident;
@@ -682,11 +647,8 @@ inline bool vector_path_ok(const Params& p, int version) {
 
 template <typename T, int kHeadDim, bool kHfRounding>
 inline void launch_vector_path(const Params& p, int64_t rows, int version, cudaStream_t stream) {
-  switch (version) {
-    case 3: return launch_v3_fixed<T, kHeadDim, kHfRounding>(p, stream);
-    case 4: return launch_v4_fixed<T, kHeadDim, kHfRounding, 0>(p, rows, stream);
-    default: return launch_v4_fixed<T, kHeadDim, kHfRounding, 1>(p, rows, stream);
-  }
+  if (version == 3) return launch_v3_fixed<T, kHeadDim, kHfRounding>(p, stream);
+  launch_v4_fixed<T, kHeadDim, kHfRounding>(p, rows, stream);
 }
 
 // v3 and v4: the vector path where head_dim is specialized and the data aligned, else v2's
@@ -724,7 +686,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 5;
+constexpr int kNumVersions = 4;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 // Version 1 needs `p.scratch` with scratch_elements(p, 1) floats.

@@ -364,7 +364,7 @@ print(f"\nbackend='cuda' runs the last one: {registry.latest(OP, 'cuda').name}")
 # The kernels, sliced out of the header at the `// vN:` marker that precedes each one (the
 # version list at the top repeats the markers; the last occurrence is the kernel's). v3's
 # launch geometry (`V3Traits`, its derived constants and asserted invariants) stands just above
-# its marker, so it is shown with v3:
+# its marker, so it is shown with v3; v4's (`V4Traits`) is inside its own section:
 
 # %%
 HEADER = (nvcc_report.KERNEL_DIR / f"{OP}.cuh").read_text()
@@ -405,6 +405,14 @@ for impl in cuda_versions:
 #   cos/sin once for a run of its heads, and runs on a persistent grid. It needs head_dim 64, 128,
 #   256 or 512, 16-byte aligned rows and `rope_dim` a multiple of two vectors (16 elements in
 #   bf16), so that a vector is wholly rotated or wholly passed through; anything else runs v2.
+# * **v4** changes which lane holds what. A row's vectors are taken two at a time: for NeoX a
+#   lane holds vector u of the first half *and* its partner u + h of the second half, so the a
+#   and b members of the same pairs sit in one thread. No shuffle fetches a partner, one run of
+#   cos and one of sin serve both vectors (interleaved: two neighbouring vectors, whose pairs
+#   are inside each), and the lane keeps only the row it works on: the weights and cos/sin are
+#   re-read per row and hit L1, because a token's heads are neighbouring rows handled by
+#   neighbouring groups at the same moment. Same preconditions as v3 (its traits, `V4Traits`,
+#   assert that a head is a whole number of two-vector units).
 #
 # ## 8. What the compiler says: registers per kernel
 #
@@ -445,8 +453,12 @@ else:
 # %% [markdown]
 # (The last column counts registers only; block size and shared memory can lower it further.)
 # v3 holds the whole row as vectors *and* both weight vectors and its cos/sin in registers, so it
-# needs far more registers than v2 and fits fewer warps per SM: fewer bytes in flight, which is
-# one suspect for its distance from the copy line in the benchmark below.
+# needs far more registers than v2 and fits fewer warps per SM: fewer bytes in flight. v4 gives
+# some of them back (it re-reads the weights and cos/sin from L1 per row instead of keeping
+# them), and each of its lanes has two 16-byte vectors of x in flight instead of one: that, and
+# the shuffles and half the cos/sin loads it no longer issues, is what the benchmark below
+# measures. The Nsight Compute counters of every version (achieved occupancy, issue slots,
+# stall reasons) are recorded in `docs/results/qk_norm_rope_h200_ncu.md`.
 #
 # ## 9. Does every implementation agree with the contract?
 #
@@ -590,8 +602,10 @@ else:
 # one token every implementation is far below the copy line: the time is launch and latency, so
 # one fused launch beats v1's two and the eager reference's many. At the large shapes the fused
 # kernels pull ahead of `torch.compile` and of v1, which pays its float32 scratch round trip,
-# but v3 is still far from the copy line: the next steps are fewer registers per thread (v3
-# holds both weight vectors and the row, section 8) and an Nsight Compute profile. The summary
+# and v4 pulls well ahead of v3 (section 7: pair-owning lanes, no partner shuffles). It is still
+# short of the copy line: Nsight Compute shows its schedulers issuing in about two thirds of
+# the cycles with half the SM's warp slots filled (64 registers per thread), so both more
+# bytes in flight and fewer instructions per element are needed to close the gap. The summary
 # printed above the plot says, per shape, which implementation was fastest on this GPU and how
 # the final version compares with eager PyTorch and `torch.compile`.
 #

@@ -98,8 +98,8 @@ import torch, cookbook, cookbook.cuda
 from cookbook import registry
 from cookbook.ops import qk_norm as contract
 for version in [impl.version for impl in registry.implementations("qk_norm", ("cuda",))]:
-    # 800 tokens x 40 heads: more rows than a persistent grid holds, so the row walks (and v5's
-    # prefetch of the next row) take several steps and stop at the last row.
+    # 800 tokens x 40 heads: more rows than a persistent grid holds, so the row walks take
+    # several steps and stop at the last row.
     for tokens, fused in ((5, False), (5, True), (800, True)):
         x = contract.make_inputs(tokens, 32, 8, 128, torch.bfloat16, "cuda", seed=version, fused_qkv=fused)
         cookbook.cuda.qk_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)

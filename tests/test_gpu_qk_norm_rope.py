@@ -100,7 +100,7 @@ def test_torch_compile_fullgraph():
     assert torch.equal(tensors["q"], eager["q"]) and torch.equal(tensors["k"], eager["k"])
 
 
-@pytest.mark.parametrize("version", [1, 3, 5])
+@pytest.mark.parametrize("version", [1, 3, 4])
 def test_cuda_graph_capture_and_replay(version):
     tensors, kwargs = _public(contract.make_inputs(256, 8, 2, 128, 128, False, torch.bfloat16, "cuda", seed=3, fused_qkv=True))
     impl = registry.get(OP, f"cuda_v{version}")
@@ -148,8 +148,8 @@ import torch, cookbook, cookbook.cuda
 from cookbook import registry
 from cookbook.ops import qk_norm_rope as contract
 for version in [impl.version for impl in registry.implementations("qk_norm_rope", ("cuda",))]:
-    # 700 tokens x 32 heads: more rows than a persistent grid holds, so the row walks (and v5's
-    # prefetch of the next row) take several steps and stop at the last row.
+    # 700 tokens x 32 heads: more rows than a persistent grid holds, so the row walks take
+    # several steps and stop at the last row.
     for tokens, is_neox in ((5, False), (5, True), (700, True)):
         x = contract.make_inputs(tokens, 24, 8, 128, 64, is_neox, torch.bfloat16, "cuda", seed=version, fused_qkv=True,
                                  max_position=tokens + 1)

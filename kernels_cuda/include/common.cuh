@@ -110,12 +110,6 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T>& in) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&in);
 }
 
-// Asks L1 to fetch the line holding `addr` ahead of its load. A prefetch writes no register, so
-// it puts bytes in flight without the register cost of an early load (no occupancy is lost).
-__device__ __forceinline__ void prefetch_l1(const void* addr) {
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(addr));
-}
-
 __host__ __device__ __forceinline__ bool is_aligned(const void* p, int bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
