@@ -11,6 +11,7 @@
 // v1: one CTA per token normalizes q and k together: two sums of squares, both weights live, a two-value block reduction
 // v2: grid (tokens, 2), blockIdx.y picks q or k: one sum and one weight per CTA - removes v1's extra live registers (higher occupancy) and doubles the CTAs
 // v3: 16-byte vectors with the row held in registers, block size derived from the hidden size - removes v2's second read and narrow loads
+// v4: the row staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there - removes v3's register-held row: the whole row is in flight at once whatever its width, and a 32768-wide row no longer costs 100 registers and one CTA per SM
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -200,6 +201,63 @@ __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Param
 }
 
 // ------------------------------------------------------------------------------------------
+// v4: the row staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there - removes v3's register-held row: the whole row is in flight at once whatever its width, and a 32768-wide row no longer costs 100 registers and one CTA per SM
+// grid.x: token, grid.y: tensor, kV4Threads threads. Thread 0 arms an mbarrier with the row's
+// byte count and issues one cp.async.bulk of the whole row into dynamic shared memory; every
+// thread waits on the mbarrier, sums its vectors' squares from shared memory (block_sum), then
+// normalizes them and stores to global. The registers hold no row, so the block size no longer
+// follows the width, and the bytes in flight per SM are the rows of its resident CTAs (shared
+// memory allows 3 CTAs of a 64 KiB row, 8 of a 16 KiB one) instead of 16 bytes per thread.
+// Needs sm_90, v3's alignment, and the wider row within the per-CTA shared memory opt-in limit;
+// the host launches v3 otherwise.
+// ------------------------------------------------------------------------------------------
+constexpr int kV4Threads = 256;
+static_assert(valid_block_size<kV4Threads>, "v4: whole warps, at most 1024 threads");
+
+template <typename T, bool kHfRounding>
+__global__ void __launch_bounds__(kV4Threads) cross_head_norm_v4_kernel(Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // the host launches v4 on sm_90 and later only
+#else
+  using Tr = V3Traits<T, 1>;
+  extern __shared__ __align__(kVecBytes) unsigned char staged_bytes[];  // the row, launch-sized
+  __shared__ __align__(8) uint64_t row_arrived;                         // mbarrier
+  const Vec<T>* staged = reinterpret_cast<const Vec<T>*>(staged_bytes);
+  const Row<T> r = locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
+  const int num_vecs = r.hidden / Tr::kVecElems;
+
+  if (threadIdx.x == 0) mbarrier_init(&row_arrived, 1);
+  __syncthreads();  // the barrier is initialized before anyone waits on it
+  if (threadIdx.x == 0) {
+    const unsigned row_bytes = static_cast<unsigned>(r.hidden) * sizeof(T);
+    mbarrier_arrive_expect_bytes(&row_arrived, row_bytes);
+    bulk_copy_to_shared(staged_bytes, r.x, row_bytes, &row_arrived);
+  }
+  mbarrier_wait(&row_arrived, 0);  // single use: phase 0
+
+  float sum_sq = 0.f;
+  for (int vec = threadIdx.x; vec < num_vecs; vec += kV4Threads) {
+    const Vec<T> x = staged[vec];
+#pragma unroll
+    for (int j = 0; j < Tr::kVecElems; ++j) {
+      const float xf = to_float<T>(x.v[j]);
+      sum_sq += xf * xf;
+    }
+  }
+  const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
+  for (int vec = threadIdx.x; vec < num_vecs; vec += kV4Threads) {
+    const Vec<T> x = staged[vec];
+    float w[Tr::kVecElems];
+    load_weight_vec<T, kHfRounding>(r.w, r.w_is_fp32, vec * Tr::kVecElems, p.weight_offset, w);
+    Vec<T> y;
+#pragma unroll
+    for (int j = 0; j < Tr::kVecElems; ++j) y.v[j] = normalize<T, kHfRounding>(to_float<T>(x.v[j]), rstd, w[j]);
+    store_vec<T>(r.x + vec * Tr::kVecElems, y);
+  }
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 inline dim3 token_tensor_grid(const Params& p) {
@@ -247,12 +305,46 @@ inline void launch_v3(const Params& p, cudaStream_t stream) {
   launch_v2<T, kHfRounding>(p, stream);  // general path: any even width, any alignment
 }
 
+// v4's shared memory for the wider row, or 0 where v4 cannot run here: a GPU before sm_90 (no
+// bulk copies), rows v3's vector path would not take, or a row wider than the per-CTA shared
+// memory opt-in limit (227 KiB on H100/H200) minus the kernel's static shared memory.
+template <typename T, bool kHfRounding>
+inline size_t v4_shared_bytes(const Params& p) {
+  constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding>;
+  static size_t limit[kMaxDevices] = {};  // per device: 0 = not queried yet, 1 = no v4 here
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device >= kMaxDevices) return 0;
+  if (limit[device] == 0) {
+    int major = 0, optin = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    cudaFuncAttributes attributes{};
+    cudaFuncGetAttributes(&attributes, kernel);
+    const size_t dynamic = static_cast<size_t>(optin) - attributes.sharedSizeBytes;
+    const bool usable = major >= 9 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                           static_cast<int>(dynamic)) == cudaSuccess;
+    limit[device] = usable ? dynamic : 1;
+  }
+  const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
+  const size_t row_bytes = static_cast<size_t>(widest) * sizeof(T);
+  return vector_aligned<T>(p) && row_bytes <= limit[device] && limit[device] > 1 ? row_bytes : 0;
+}
+
+template <typename T, bool kHfRounding>
+inline void launch_v4(const Params& p, cudaStream_t stream) {
+  const size_t shared_bytes = v4_shared_bytes<T, kHfRounding>(p);
+  if (shared_bytes == 0) return launch_v3<T, kHfRounding>(p, stream);
+  cross_head_norm_v4_kernel<T, kHfRounding><<<token_tensor_grid(p), kV4Threads, shared_bytes, stream>>>(p);
+}
+
 template <typename T, bool kHfRounding>
 inline void launch_version(const Params& p, int version, cudaStream_t stream) {
   switch (version) {
     case 1: return launch_v1<T, kHfRounding>(p, stream);
     case 2: return launch_v2<T, kHfRounding>(p, stream);
-    default: return launch_v3<T, kHfRounding>(p, stream);
+    case 3: return launch_v3<T, kHfRounding>(p, stream);
+    default: return launch_v4<T, kHfRounding>(p, stream);
   }
 }
 
@@ -265,7 +357,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 3;
+constexpr int kNumVersions = 4;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

@@ -144,7 +144,7 @@ def _header_constant(header: str, name: str) -> int:
 
 def cross_head_norm_launches(widest: int, elem_bytes: int = 2) -> dict[int, tuple[int, int]]:
     """{version: (threads per CTA, v3's vectors per thread or 0)} the launchers pick for rows up to
-    `widest` elements (16-byte aligned; the header's constants, launch_v3's rule)."""
+    `widest` elements (16-byte aligned; the header's constants, launch_v3's rule; v4 on sm_90)."""
     header = (nvcc_report.KERNEL_DIR / "cross_head_norm.cuh").read_text()
     v3_threads, v3_max_vecs = _header_constant(header, "kV3MaxThreads"), _header_constant(header, "kV3MaxVecsPerThread")
     vec_elems = 16 // elem_bytes
@@ -157,6 +157,7 @@ def cross_head_norm_launches(widest: int, elem_bytes: int = 2) -> dict[int, tupl
         launches[3] = (-(-needed // WARP) * WARP, vecs)
     else:
         launches[3] = launches[2]  # wider rows stream through v2
+    launches[4] = (_header_constant(header, "kV4Threads"), 0)  # the row in dynamic shared memory
     return launches
 
 
@@ -181,6 +182,8 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
         for version, (threads, vecs) in cross_head_norm_launches(widest).items():
             kernel_version = 2 if version == 3 and vecs == 0 else version
             registers, smem = resources[(kernel_version, vecs)]
+            if version == 4:
+                smem += widest * 2  # v4 stages the wider bf16 row in dynamic shared memory
             ctas, binding = theoretical_occupancy(registers, threads, smem)
             warps = ctas * (threads // WARP)
             kernel = f"v3, {vecs} vector{'s' if vecs > 1 else ''}/thread" if vecs else f"v{kernel_version}"

@@ -110,6 +110,50 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T>& in) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&in);
 }
 
+// ---- Hopper bulk copies (sm_90+): the TMA engine copies global -> shared, an mbarrier tracks it --
+// One thread asks the copy engine for a whole contiguous block (any multiple of 16 bytes, both
+// ends 16-byte aligned): one instruction, no registers, every byte in flight at once. The
+// mbarrier in shared memory completes when its expected byte count has arrived. Only compiled for
+// sm_90 and later; a kernel using them must not be launched on an older GPU (the host checks).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Initializes `bar` for `arrivals` arriving threads and makes that visible to the copy engine.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(arrivals) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Arrives on `bar` and tells it to also wait for `bytes` bytes of asynchronous copies.
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Copies `bytes` from global `src` to shared `dst`; the bytes count towards `bar`.
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   shared_address(dst)),
+               "l"(src), "r"(bytes), "r"(shared_address(bar))
+               : "memory");
+}
+
+// Blocks until phase `parity` of `bar` has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, unsigned parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred complete; mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2; selp.u32 %0, 1, 0, "
+        "complete; }"
+        : "=r"(done)
+        : "r"(shared_address(bar)), "r"(parity)
+        : "memory");
+  }
+}
+#endif
+
 __host__ __device__ __forceinline__ bool is_aligned(const void* p, int bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
