@@ -99,7 +99,7 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _cuda("cross_head_norm", 1, "one CTA per token normalizes q and k together: two sums of squares, both weights live, a two-value block reduction"),
         _cuda("cross_head_norm", 2, "grid (tokens, 2), blockIdx.y picks q or k: one sum and one weight per CTA - removes v1's extra live registers (higher occupancy) and doubles the CTAs"),
         _cuda("cross_head_norm", 3, "16-byte vectors with the row held in registers, block size derived from the hidden size - removes v2's second read and narrow loads"),
-        _cuda("cross_head_norm", 4, "the row staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there - removes v3's register-held row: the whole row is in flight at once whatever its width, and a 32768-wide row no longer costs 100 registers and one CTA per SM"),
+        _cuda("cross_head_norm", 4, "rows wider than v3's two-vector limit (8192 bf16 elements) staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there; narrower rows run v3 - removes v3's wide-row cost: 64 to 100 registers per thread and one or two CTAs per SM, with 16 bytes in flight per thread"),
         Impl("cross_head_norm", "torch_compile", "peer", 0, "cookbook.peers:cross_head_norm_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
     ],

@@ -11,7 +11,7 @@
 // v1: one CTA per token normalizes q and k together: two sums of squares, both weights live, a two-value block reduction
 // v2: grid (tokens, 2), blockIdx.y picks q or k: one sum and one weight per CTA - removes v1's extra live registers (higher occupancy) and doubles the CTAs
 // v3: 16-byte vectors with the row held in registers, block size derived from the hidden size - removes v2's second read and narrow loads
-// v4: the row staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there - removes v3's register-held row: the whole row is in flight at once whatever its width, and a 32768-wide row no longer costs 100 registers and one CTA per SM
+// v4: rows wider than v3's two-vector limit (8192 bf16 elements) staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there; narrower rows run v3 - removes v3's wide-row cost: 64 to 100 registers per thread and one or two CTAs per SM, with 16 bytes in flight per thread
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Param
 }
 
 // ------------------------------------------------------------------------------------------
-// v4: the row staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there - removes v3's register-held row: the whole row is in flight at once whatever its width, and a 32768-wide row no longer costs 100 registers and one CTA per SM
+// v4: rows wider than v3's two-vector limit (8192 bf16 elements) staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there; narrower rows run v3 - removes v3's wide-row cost: 64 to 100 registers per thread and one or two CTAs per SM, with 16 bytes in flight per thread
 // grid.x: token, grid.y: tensor, kV4Threads threads. Thread 0 arms an mbarrier with the row's
 // byte count and issues one cp.async.bulk of the whole row into dynamic shared memory; every
 // thread waits on the mbarrier, sums its vectors' squares from shared memory (block_sum), then
@@ -209,7 +209,10 @@ __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Param
 // follows the width, and the bytes in flight per SM are the rows of its resident CTAs (shared
 // memory allows 3 CTAs of a 64 KiB row, 8 of a 16 KiB one) instead of 16 bytes per thread.
 // Needs sm_90, v3's alignment, and the wider row within the per-CTA shared memory opt-in limit;
-// the host launches v3 otherwise.
+// the host launches v3 otherwise, and also for rows v3 holds at one or two vectors per thread:
+// measured on the H200 (docs/cross_head_norm.md), this kernel beat v3 by 12 % at 32768-wide
+// rows but lost 3-4 % at 2048-8192 tokens x 8192 and about 1 us at 1-16 tokens (its copy and
+// barrier wait sit on the critical path before any arithmetic).
 // ------------------------------------------------------------------------------------------
 constexpr int kV4Threads = 256;
 static_assert(valid_block_size<kV4Threads>, "v4: whole warps, at most 1024 threads");
@@ -333,7 +336,8 @@ inline size_t v4_shared_bytes(const Params& p) {
 
 template <typename T, bool kHfRounding>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
-  const size_t shared_bytes = v4_shared_bytes<T, kHfRounding>(p);
+  const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
+  const size_t shared_bytes = widest > V3Traits<T, 2>::kMaxHidden ? v4_shared_bytes<T, kHfRounding>(p) : 0;
   if (shared_bytes == 0) return launch_v3<T, kHfRounding>(p, stream);
   cross_head_norm_v4_kernel<T, kHfRounding><<<token_tensor_grid(p), kV4Threads, shared_bytes, stream>>>(p);
 }

@@ -157,7 +157,8 @@ def cross_head_norm_launches(widest: int, elem_bytes: int = 2) -> dict[int, tupl
         launches[3] = (-(-needed // WARP) * WARP, vecs)
     else:
         launches[3] = launches[2]  # wider rows stream through v2
-    launches[4] = (_header_constant(header, "kV4Threads"), 0)  # the row in dynamic shared memory
+    # v4: the row in dynamic shared memory past v3's two-vector limit, v3 below it
+    launches[4] = (_header_constant(header, "kV4Threads"), 0) if widest > v3_threads * 2 * vec_elems else launches[3]
     return launches
 
 
@@ -180,9 +181,9 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for widest in widths:
         for version, (threads, vecs) in cross_head_norm_launches(widest).items():
-            kernel_version = 2 if version == 3 and vecs == 0 else version
+            kernel_version = 2 if version == 3 and vecs == 0 else 3 if version == 4 and vecs else version
             registers, smem = resources[(kernel_version, vecs)]
-            if version == 4:
+            if kernel_version == 4:
                 smem += widest * 2  # v4 stages the wider bf16 row in dynamic shared memory
             ctas, binding = theoretical_occupancy(registers, threads, smem)
             warps = ctas * (threads // WARP)
