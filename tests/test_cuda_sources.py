@@ -76,3 +76,25 @@ def test_binding_compiles(op, tmp_path):
            "-c", str(nvcc_report.KERNEL_DIR / "bindings" / f"{op}.cu"), "-o", str(tmp_path / "binding.o")]
     run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
     assert run.returncode == 0, run.stderr[-4000:]
+
+
+def _docs_versions():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_versions", nvcc_report.KERNEL_DIR.parent / "tools" / "docs_versions.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("op", CUDA_OPS)
+def test_docs_tables_match_the_generator(op):
+    """Each op page's versions table (and cross_head_norm's occupancy table) is exactly what
+    tools/docs_versions.py prints now: leads, registers and spills cannot drift from the sources."""
+    tools = _docs_versions()
+    page = (nvcc_report.KERNEL_DIR.parent / "docs" / f"{op}.md").read_text()
+    generated = [tools.table(op)] + ([tools.occupancy_table(op)] if op == "cross_head_norm" else [])
+    stale = [line for text in generated for line in text.splitlines() if line.strip() and line not in page]
+    assert not stale, f"docs/{op}.md: rerun `python tools/docs_versions.py {op}` and paste; stale: {stale[:3]}"

@@ -43,6 +43,11 @@ NAMED_KERNELS = {
 }
 
 
+# Versions that launch an earlier version's kernel with other template arguments: version -> that
+# bf16 fused-rounding instantiation (qk_norm v4 is v3's kernel with a 32-bit row index).
+REUSED_KERNELS = {"qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int>"}}
+
+
 def named_kernel_registers(op: str) -> dict[int, str]:
     by_name = {k.kernel: k for k in nvcc_report.compile_header(op)}
     found = {}
@@ -62,15 +67,25 @@ def cuda_registers(op: str) -> dict[int, str]:
     if op in NAMED_KERNELS:
         return named_kernel_registers(op)
     # Extra template arguments after the rounding flag (qk_norm's row index type) are allowed;
-    # a version that reuses an earlier version's kernel (qk_norm v4) has no row of its own.
-    name = re.compile(rf"{op}_v(\d+)_kernel<__nv_bfloat16, (?:(\d+), )?false(?:, long)?>")
-    found, per_vectors = {}, {}
+    # a version that reuses an earlier version's kernel (qk_norm v4) is looked up in REUSED_KERNELS.
+    # A version of several kernels (qk_norm_rope v1: <op>_v1_norm_kernel, <op>_v1_rope_kernel) gets
+    # one cell naming each.
+    name = re.compile(rf"{op}_v(\d+)_(\w+_)?kernel<__nv_bfloat16, (?:(\d+), )?false(?:, long)?>")
+    found, parts, per_vectors = {}, {}, {}
     for kernel in nvcc_report.compile_header(op):
         m = name.search(kernel.kernel)
-        if m and m.group(2) in (None, HEAD_DIM):
+        if m and m.group(2) and m.group(3) in (None, HEAD_DIM):
+            parts.setdefault(int(m.group(1)), []).append(
+                f"{m.group(2)}kernel {kernel.registers} regs, {kernel.spill_bytes} B spill")
+        elif m and m.group(3) in (None, HEAD_DIM):
             found[int(m.group(1))] = f"{kernel.registers} regs, {kernel.spill_bytes} B spill"
         elif m and op in VECTORS_PER_THREAD_OPS:
-            per_vectors.setdefault(int(m.group(1)), []).append((int(m.group(2)), kernel.registers, kernel.spill_bytes))
+            per_vectors.setdefault(int(m.group(1)), []).append((int(m.group(3)), kernel.registers, kernel.spill_bytes))
+    for version, cells in parts.items():
+        found[version] = "; ".join(sorted(cells))
+    for version, reused in REUSED_KERNELS.get(op, {}).items():
+        kernel = next(k for k in nvcc_report.compile_header(op) if f"::{reused}(" in k.kernel)
+        found[version] = f"{kernel.registers} regs, {kernel.spill_bytes} B spill ({reused.split('<')[0]})"
     for version, kernels in per_vectors.items():  # one cell: every vectors-per-thread kernel
         kernels.sort()
         found[version] = (f"{'/'.join(str(r) for _, r, _ in kernels)} regs at {'/'.join(str(n) for n, _, _ in kernels)} "
