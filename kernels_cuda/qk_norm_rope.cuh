@@ -395,8 +395,9 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // way the unit's pairs are u * kVecElems ... + kVecElems - 1, one contiguous run of cos and one of
 // sin. Units u >= h are two neighbouring pass-through vectors (2u, 2u + 1). A group of
 // kThreadsPerHead lanes owns a row, lane `lane` its units lane, lane + kThreadsPerHead, ...; the
-// block strides over rows. A lane has twice v3's bytes of x in flight (two vectors) with half as
-// many lanes per row, so a warp works on twice as many rows at once. The weights and cos/sin are
+// block strides over rows. Where v3 gives a lane one vector of the row (head_dim 128 in bf16), a
+// v4 lane has two in flight and a row takes half as many lanes, so a warp works on twice as many
+// rows at once. The weights and cos/sin are
 // re-read for every row: a token's heads are neighbouring rows, handled by neighbouring groups
 // at the same moment, so these hit L1 (v3 kept them in registers across a token's heads). The
 // (token, head) of a row is advanced by the grid's stride instead of divided out per row.
