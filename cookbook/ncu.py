@@ -137,8 +137,14 @@ def main(argv=None) -> int:
 
     from cookbook import registry
 
+    if args.op not in registry.ops():
+        parser.error(f"--op: expected one of {', '.join(registry.ops())}, got {args.op!r}")
     contract = registry.contract(args.op)
-    shape_index = args.shape % len(contract.BENCH_SHAPES)
+    count = len(contract.BENCH_SHAPES)
+    if not -count <= args.shape < count:
+        parser.error(f"--shape: {args.op} has {count} benchmark shapes (0..{count - 1}, or -{count}..-1 from the "
+                     f"end), got {args.shape}")
+    shape_index = args.shape % count
     names = args.impls or [impl.name for impl in registry.implementations(args.op, ("cuda",))]
     unknown = sorted(set(names) - {impl.name for impl in registry.implementations(args.op)})
     if unknown:

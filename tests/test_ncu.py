@@ -68,3 +68,14 @@ def test_without_ncu_it_says_so(monkeypatch, capsys):
     monkeypatch.setattr(ncu.shutil, "which", lambda name: None)
     assert ncu.main(["--op", "qk_norm", "--impls", "cuda_v4"]) == 2
     assert "ncu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--op", "qk_norm", "--shape", "99"], "--shape"),
+    (["--op", "qk_norm", "--shape", "-99"], "--shape"),
+    (["--op", "no_such_op"], "--op"),
+])
+def test_bad_op_or_shape_is_rejected(argv, fragment, capsys):
+    with pytest.raises(SystemExit):
+        ncu.main(argv)
+    assert fragment in capsys.readouterr().err
