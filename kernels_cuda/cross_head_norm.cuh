@@ -12,6 +12,7 @@
 // v2: grid (tokens, 2), blockIdx.y picks q or k: one sum and one weight per CTA - removes v1's extra live registers (higher occupancy) and doubles the CTAs
 // v3: 16-byte vectors with the row held in registers, block size derived from the hidden size - removes v2's second read and narrow loads
 // v4: rows wider than v3's two-vector limit (8192 bf16 elements) staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there; narrower rows run v3 - removes v3's wide-row cost: 64 to 100 registers per thread and one or two CTAs per SM, with 16 bytes in flight per thread
+// v5: v4 with x read and written by streaming (evict-first) global accesses in both of its kernels - removes v4's default caching of bytes that are touched once
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -157,32 +158,29 @@ __device__ __forceinline__ void load_weight_vec(const void* w, bool w_is_fp32, i
       for (int j = 0; j < Vec<float>::kElems; ++j) w_eff[v * Vec<float>::kElems + j] = f.v[j];
     }
   } else {
-    const Vec<T> t = load_vec<T>(static_cast<const T*>(w) + col);
-#pragma unroll
-    for (int j = 0; j < Tr::kVecElems; ++j) w_eff[j] = to_float<T>(t.v[j]);
+    unpack<T>(load_vec<T>(static_cast<const T*>(w) + col), w_eff);
   }
 #pragma unroll
   for (int j = 0; j < Tr::kVecElems; ++j) w_eff[j] = effective_weight<T, kHfRounding>(w_eff[j], weight_offset);
 }
 
-template <typename T, int kVecsPerThread, bool kHfRounding>
+// kStreaming (v5): x is read and written by streaming global accesses (load_vec_streaming).
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false>
 __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Params p) {
   using Tr = V3Traits<T, kVecsPerThread>;
   const Row<T> r = locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
   const int num_vecs = r.hidden / Tr::kVecElems;  // the narrower tensor's CTAs leave threads idle
 
-  Vec<T> x[kVecsPerThread];
+  float x[kVecsPerThread][Tr::kVecElems];
   float sum_sq = 0.f;
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int vec = i * blockDim.x + threadIdx.x;
     if (vec < num_vecs) {
-      x[i] = load_vec<T>(r.x + vec * Tr::kVecElems);
+      const T* at = r.x + vec * Tr::kVecElems;
+      unpack<T>(kStreaming ? load_vec_streaming<T>(at) : load_vec<T>(at), x[i]);
 #pragma unroll
-      for (int j = 0; j < Tr::kVecElems; ++j) {
-        const float xf = to_float<T>(x[i].v[j]);
-        sum_sq += xf * xf;
-      }
+      for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += x[i][j] * x[i][j];
     }
   }
   const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
@@ -190,12 +188,16 @@ __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Param
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int vec = i * blockDim.x + threadIdx.x;
     if (vec < num_vecs) {
-      float w[Tr::kVecElems];
+      float w[Tr::kVecElems], y[Tr::kVecElems];
       load_weight_vec<T, kHfRounding>(r.w, r.w_is_fp32, vec * Tr::kVecElems, p.weight_offset, w);
-      Vec<T> y;
 #pragma unroll
-      for (int j = 0; j < Tr::kVecElems; ++j) y.v[j] = normalize<T, kHfRounding>(to_float<T>(x[i].v[j]), rstd, w[j]);
-      store_vec<T>(r.x + vec * Tr::kVecElems, y);
+      for (int j = 0; j < Tr::kVecElems; ++j) y[j] = normalized<T, kHfRounding>(x[i][j], rstd, w[j]);
+      T* at = r.x + vec * Tr::kVecElems;
+      if constexpr (kStreaming) {
+        store_vec_streaming<T>(at, pack<T>(y));
+      } else {
+        store_vec<T>(at, pack<T>(y));
+      }
     }
   }
 }
@@ -217,7 +219,8 @@ __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Param
 constexpr int kV4Threads = 256;
 static_assert(valid_block_size<kV4Threads>, "v4: whole warps, at most 1024 threads");
 
-template <typename T, bool kHfRounding>
+// kStreaming (v5): the stores of x are streaming (the bulk copy already bypasses L1).
+template <typename T, bool kHfRounding, bool kStreaming = false>
 __global__ void __launch_bounds__(kV4Threads) cross_head_norm_v4_kernel(Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // the host launches v4 on sm_90 and later only
@@ -240,26 +243,34 @@ __global__ void __launch_bounds__(kV4Threads) cross_head_norm_v4_kernel(Params p
 
   float sum_sq = 0.f;
   for (int vec = threadIdx.x; vec < num_vecs; vec += kV4Threads) {
-    const Vec<T> x = staged[vec];
+    float x[Tr::kVecElems];
+    unpack<T>(staged[vec], x);
 #pragma unroll
-    for (int j = 0; j < Tr::kVecElems; ++j) {
-      const float xf = to_float<T>(x.v[j]);
-      sum_sq += xf * xf;
-    }
+    for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += x[j] * x[j];
   }
   const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
   for (int vec = threadIdx.x; vec < num_vecs; vec += kV4Threads) {
-    const Vec<T> x = staged[vec];
-    float w[Tr::kVecElems];
+    float x[Tr::kVecElems], w[Tr::kVecElems], y[Tr::kVecElems];
+    unpack<T>(staged[vec], x);
     load_weight_vec<T, kHfRounding>(r.w, r.w_is_fp32, vec * Tr::kVecElems, p.weight_offset, w);
-    Vec<T> y;
 #pragma unroll
-    for (int j = 0; j < Tr::kVecElems; ++j) y.v[j] = normalize<T, kHfRounding>(to_float<T>(x.v[j]), rstd, w[j]);
-    store_vec<T>(r.x + vec * Tr::kVecElems, y);
+    for (int j = 0; j < Tr::kVecElems; ++j) y[j] = normalized<T, kHfRounding>(x[j], rstd, w[j]);
+    T* at = r.x + vec * Tr::kVecElems;
+    if constexpr (kStreaming) {
+      store_vec_streaming<T>(at, pack<T>(y));
+    } else {
+      store_vec<T>(at, pack<T>(y));
+    }
   }
 #endif
 }
 
+// ------------------------------------------------------------------------------------------
+// v5: v4 with x read and written by streaming (evict-first) global accesses in both of its kernels - removes v4's default caching of bytes that are touched once
+// The kernels above with kStreaming: every byte of x is read once and written once, so its loads
+// and stores carry the evict-first policy (LDG/STG.E.EF) and L2 keeps the weights and the lines
+// still to come. Measured on the H200 (docs/cross_head_norm.md) next to v4 and to the packed
+// conversions alone.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
@@ -277,11 +288,11 @@ inline void launch_v2(const Params& p, cudaStream_t stream) {
   cross_head_norm_v2_kernel<T, kHfRounding><<<token_tensor_grid(p), kV2Threads, 0, stream>>>(p);
 }
 
-template <typename T, int kVecsPerThread, bool kHfRounding>
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming>
 inline void launch_v3_fixed(const Params& p, int widest_vecs, cudaStream_t stream) {
   const int threads_needed = (widest_vecs + kVecsPerThread - 1) / kVecsPerThread;
   const int threads = (threads_needed + kWarpSize - 1) / kWarpSize * kWarpSize;  // block_sum: whole warps
-  cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding><<<token_tensor_grid(p), threads, 0, stream>>>(p);
+  cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming><<<token_tensor_grid(p), threads, 0, stream>>>(p);
 }
 
 // The 16-byte path needs every row and both weights to start on 16-byte boundaries.
@@ -295,15 +306,15 @@ inline bool vector_aligned(const Params& p) {
 
 // The fewest vectors per thread that fit the wider row in one CTA of at most kV3MaxThreads
 // threads; rows wider than kV3MaxVecsPerThread vectors per thread stream through v2.
-template <typename T, bool kHfRounding>
+template <typename T, bool kHfRounding, bool kStreaming = false>
 inline void launch_v3(const Params& p, cudaStream_t stream) {
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   if (vector_aligned<T>(p)) {
     const int widest_vecs = widest / Vec<T>::kElems;
-    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v3_fixed<T, 8, kHfRounding>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding, kStreaming>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding, kStreaming>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding, kStreaming>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v3_fixed<T, 8, kHfRounding, kStreaming>(p, widest_vecs, stream);
   }
   launch_v2<T, kHfRounding>(p, stream);  // general path: any even width, any alignment
 }
@@ -311,9 +322,9 @@ inline void launch_v3(const Params& p, cudaStream_t stream) {
 // v4's shared memory for the wider row, or 0 where v4 cannot run here: a GPU before sm_90 (no
 // bulk copies), rows v3's vector path would not take, or a row wider than the per-CTA shared
 // memory opt-in limit (227 KiB on H100/H200) minus the kernel's static shared memory.
-template <typename T, bool kHfRounding>
+template <typename T, bool kHfRounding, bool kStreaming>
 inline size_t v4_shared_bytes(const Params& p) {
-  constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding>;
+  constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding, kStreaming>;
   static size_t limit[kMaxDevices] = {};  // per device: 0 = not queried yet, 1 = no v4 here
   int device = 0;
   cudaGetDevice(&device);
@@ -334,12 +345,13 @@ inline size_t v4_shared_bytes(const Params& p) {
   return vector_aligned<T>(p) && row_bytes <= limit[device] && limit[device] > 1 ? row_bytes : 0;
 }
 
-template <typename T, bool kHfRounding>
+// kStreaming: v5, the same dispatch with streaming accesses to x in both kernels.
+template <typename T, bool kHfRounding, bool kStreaming = false>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
-  const size_t shared_bytes = widest > V3Traits<T, 2>::kMaxHidden ? v4_shared_bytes<T, kHfRounding>(p) : 0;
-  if (shared_bytes == 0) return launch_v3<T, kHfRounding>(p, stream);
-  cross_head_norm_v4_kernel<T, kHfRounding><<<token_tensor_grid(p), kV4Threads, shared_bytes, stream>>>(p);
+  const size_t shared_bytes = widest > V3Traits<T, 2>::kMaxHidden ? v4_shared_bytes<T, kHfRounding, kStreaming>(p) : 0;
+  if (shared_bytes == 0) return launch_v3<T, kHfRounding, kStreaming>(p, stream);
+  cross_head_norm_v4_kernel<T, kHfRounding, kStreaming><<<token_tensor_grid(p), kV4Threads, shared_bytes, stream>>>(p);
 }
 
 template <typename T, bool kHfRounding>
@@ -348,7 +360,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 1: return launch_v1<T, kHfRounding>(p, stream);
     case 2: return launch_v2<T, kHfRounding>(p, stream);
     case 3: return launch_v3<T, kHfRounding>(p, stream);
-    default: return launch_v4<T, kHfRounding>(p, stream);
+    case 4: return launch_v4<T, kHfRounding>(p, stream);
+    default: return launch_v4<T, kHfRounding, true>(p, stream);
   }
 }
 
@@ -361,7 +374,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 4;
+constexpr int kNumVersions = 5;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

@@ -12,6 +12,7 @@
 // v2: one warp per (token, head) with a shuffle reduction: lanes read neighbouring elements (coalesced) - removes v1's scattered loads
 // v3: 16-byte vectors held in registers, lanes sized to the head, q and k on a persistent grid with the weights loaded once per thread - removes v2's second read and narrow loads
 // v4: a 32-bit row -> (token, head) division where rows < 2^32 - removes most of v3's per-row index arithmetic
+// v5: x read and written by streaming (evict-first) global accesses, as qk_norm_rope v5 and cross_head_norm v5 do - removes v4's default caching of bytes that are touched once
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -138,8 +139,9 @@ struct V3Traits {
   static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
 };
 
-// v3 divides with RowIndex = int64_t; v4 (below) is this kernel with RowIndex = uint32_t.
-template <typename T, int kHeadDim, bool kHfRounding, typename RowIndex>
+// v3 divides with RowIndex = int64_t; v4 (below) is this kernel with RowIndex = uint32_t, v5 with
+// RowIndex = uint32_t and kStreaming.
+template <typename T, int kHeadDim, bool kHfRounding, typename RowIndex, bool kStreaming = false>
 __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_v3_kernel(Params p, int64_t rows) {
   using Tr = V3Traits<T, kHeadDim>;
@@ -169,36 +171,39 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     const bool active = row < rows;
     const Row<T> r = active ? locate_row<T, RowIndex>(p, static_cast<RowIndex>(row)) : Row<T>{nullptr, nullptr, false};
 
-    Vec<T> x[Tr::kVecsPerThread];
+    float x[Tr::kVecsPerThread][Tr::kVecElems];
 #pragma unroll
     for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+      Vec<T> v;
       if (active) {
-        x[i] = load_vec<T>(r.x + column(i, 0));
+        v = kStreaming ? load_vec_streaming<T>(r.x + column(i, 0)) : load_vec<T>(r.x + column(i, 0));
       } else {
 #pragma unroll
-        for (int j = 0; j < Tr::kVecElems; ++j) x[i].v[j] = from_float<T>(0.f);
+        for (int j = 0; j < Tr::kVecElems; ++j) v.v[j] = from_float<T>(0.f);
       }
+      unpack<T>(v, x[i]);
     }
     float sum_sq = 0.f;
 #pragma unroll
     for (int i = 0; i < Tr::kVecsPerThread; ++i) {
 #pragma unroll
-      for (int j = 0; j < Tr::kVecElems; ++j) {
-        const float xf = to_float<T>(x[i].v[j]);
-        sum_sq += xf * xf;
-      }
+      for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += x[i][j] * x[i][j];
     }
     const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
     if (active) {
 #pragma unroll
       for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-        Vec<T> y;
+        float y[Tr::kVecElems];
 #pragma unroll
         for (int j = 0; j < Tr::kVecElems; ++j) {
           const int e = i * Tr::kVecElems + j;
-          y.v[j] = normalize<T, kHfRounding>(to_float<T>(x[i].v[j]), rstd, r.is_q ? w_q[e] : w_k[e]);
+          y[j] = normalized<T, kHfRounding>(x[i][j], rstd, r.is_q ? w_q[e] : w_k[e]);
         }
-        store_vec<T>(r.x + column(i, 0), y);
+        if constexpr (kStreaming) {
+          store_vec_streaming<T>(r.x + column(i, 0), pack<T>(y));
+        } else {
+          store_vec<T>(r.x + column(i, 0), pack<T>(y));
+        }
       }
     }
   }
@@ -209,6 +214,12 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // The same kernel as v3 with a 32-bit RowIndex (launch_v3_fixed picks it). At 8192 tokens a v3
 // lane spends roughly 200 instructions per 16-byte vector, a 64-bit division among them: the SMs
 // issue for about as long as DRAM takes to move the bytes, so fewer instructions can show.
+// ------------------------------------------------------------------------------------------
+// v5: x read and written by streaming (evict-first) global accesses, as qk_norm_rope v5 and cross_head_norm v5 do - removes v4's default caching of bytes that are touched once
+// The same kernel again, with kStreaming: the loads and stores of x carry the evict-first policy
+// (LDG/STG.E.EF). Each byte of x is touched once, while the weights stay in L1 and the next
+// rows' lines are what L2 should keep; measured on the H200 (docs/qk_norm.md) this is worth
+// 0.5 % at 8192 tokens x 72 heads and 3-5 % at 1024 tokens and at the GQA and 256-dim shapes.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
@@ -224,7 +235,7 @@ inline void launch_v2(const Params& p, int64_t rows, cudaStream_t stream) {
   qk_norm_v2_kernel<T, kHfRounding><<<static_cast<unsigned>(blocks), kV2Threads, 0, stream>>>(p, rows);
 }
 
-// kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32.
+// kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32; 5: v4 with streaming x.
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
@@ -232,7 +243,7 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
   }
   using Tr = V3Traits<T, kHeadDim>;
   using RowIndex = std::conditional_t<kVersion >= 4, uint32_t, int64_t>;
-  constexpr auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex>;
+  constexpr auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, (kVersion >= 5)>;
   const int64_t needed = (rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock;
   const int64_t resident = persistent_grid_limit<kernel>(Tr::kThreadsPerBlock);
   const int64_t blocks = needed < resident ? needed : resident;
@@ -269,7 +280,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 1: return launch_v1<T, kHfRounding>(p, rows, stream);
     case 2: return launch_v2<T, kHfRounding>(p, rows, stream);
     case 3: return launch_v3<T, kHfRounding, 3>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding, 4>(p, rows, stream);
+    case 4: return launch_v3<T, kHfRounding, 4>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 5>(p, rows, stream);
   }
 }
 
@@ -282,7 +294,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 4;
+constexpr int kNumVersions = 5;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

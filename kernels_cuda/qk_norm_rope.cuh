@@ -15,6 +15,7 @@
 // v2: fused, one warp per (token, head): norm and rope in one launch, each lane owns whole (a, b) pairs so no partner exchange is needed - removes v1's second launch and round trip
 // v3: 16-byte vectors held in registers, lanes sized to the head, the NeoX partner fetched by a warp shuffle, cos/sin read once per token and reused across its heads, persistent grid - removes v2's second read, narrow loads and per-head cache reads
 // v4: lanes own whole rotation pairs: a NeoX lane holds a 16-byte vector of the first half and its partner vector of the second half, so one run of cos/sin serves both and no shuffle fetches a partner; a lane keeps one row at a time - removes v3's partner shuffles, half its cos/sin loads and the registers it spends keeping a token's cos/sin and both weights across heads (79 -> 64: 4 blocks per SM instead of 3)
+// v5: the layout and the tables' storage types fixed at compile time (the kernel picks its loop once), bf16 converted two elements per instruction, the norm scale one fma per element, x read and written by streaming global accesses - removes v4's per-element layout selects, its predicated loads for both table dtypes and its generic loads and stores (a third fewer registers, 64 -> 48 interleaved / 57 NeoX)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm_rope.cu is the torch glue.
 #pragma once
@@ -110,16 +111,6 @@ __device__ __forceinline__ PairSlot pair_slot(int d, int rope_dim, bool is_neox)
   const int half = rope_dim / 2;
   if (is_neox) return d < half ? PairSlot{d, true, d + half} : PairSlot{d - half, false, d - half};
   return PairSlot{d / 2, d % 2 == 0, d ^ 1};
-}
-
-// The normalized value as float32: unrounded (fused), or rounded as qk_norm's HF order does.
-template <typename T, bool kHfRounding>
-__device__ __forceinline__ float normalized(float x, float rstd, float w_eff) {
-  if constexpr (kHfRounding) {
-    return round_to<T>(round_to<T>(x * rstd) * w_eff);
-  } else {
-    return x * rstd * w_eff;
-  }
 }
 
 // The rotated value of `n` given its partner; HF order: every product and the sum rounded to T.
@@ -585,6 +576,219 @@ __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
 
 
 // ------------------------------------------------------------------------------------------
+// v5: the layout and the tables' storage types fixed at compile time (the kernel picks its loop once), bf16 converted two elements per instruction, the norm scale one fma per element, x read and written by streaming global accesses - removes v4's per-element layout selects, its predicated loads for both table dtypes and its generic loads and stores (a third fewer registers, 64 -> 48 interleaved / 57 NeoX)
+// v4's geometry and row walk, with what v4 decided per element decided before the loop. Its SASS
+// showed, per row and lane: the NeoX/interleaved choice as selects inside the rotation; loads
+// for BOTH storage types of the weights and of the cos/sin cache, predicated (a runtime flag the
+// compiler turned into predication, so both paths issue); each bf16 moved into its own register
+// before the shift that widens it; and x read by generic LD (the row pointer is picked at run
+// time between q and k). Here:
+//   - NeoX or interleaved is a template parameter (the launcher picks the kernel);
+//   - the weight and cache storage types are template parameters of the row walk, and the kernel
+//     branches once, uniformly, into one of the four walks;
+//   - x is unpacked and packed two bf16 per instruction (unpack / pack in common.cuh);
+//   - the fused-order scale is x * fma(w, rstd, rstd * weight_offset): one fma per element, the
+//     offset's product once per row;
+//   - x is read and written with streaming (evict-first) global accesses and the tables through
+//     the read-only path.
+// On the H200 at flux_1024 this is 39.1 -> 29.1 us (docs/qk_norm_rope.md has each step).
+// ------------------------------------------------------------------------------------------
+// The units a lane owns, fixed for the whole walk: index, whether they rotate, their columns.
+template <int kUnits>
+struct LaneUnits {
+  int unit[kUnits], col_a[kUnits], col_b[kUnits];
+  bool rotates[kUnits];
+};
+
+template <int kUnits, bool kNeox, int kVecElems>
+__device__ __forceinline__ LaneUnits<kUnits> lane_units(int lane, int threads_per_head, int rope_dim) {
+  const int rotated_units = rope_dim / 2 / kVecElems;
+  LaneUnits<kUnits> u;
+#pragma unroll
+  for (int s = 0; s < kUnits; ++s) {
+    const int unit = s * threads_per_head + lane;
+    u.unit[s] = unit;
+    u.rotates[s] = unit < rotated_units;
+    const bool halves = kNeox && u.rotates[s];  // NeoX pair: (u, u + h); otherwise neighbours
+    u.col_a[s] = (halves ? unit : 2 * unit) * kVecElems;
+    u.col_b[s] = (halves ? unit + rotated_units : 2 * unit + 1) * kVecElems;
+  }
+  return u;
+}
+
+// One row as loaded: where it lives (x == nullptr: past the end), its weight, its cache row (-1:
+// out of range) and the lane's vectors of x (zeros past the end, so the group's sum still runs).
+template <typename T, int kUnits>
+struct LoadedRow {
+  T* x;
+  const void* w;
+  int64_t cache;
+  Vec<T> a[kUnits], b[kUnits];
+};
+
+template <typename T, int kUnits>
+__device__ __forceinline__ LoadedRow<T, kUnits> load_row(const Params& p, bool active, int64_t token, int head,
+                                                         const LaneUnits<kUnits>& u) {
+  LoadedRow<T, kUnits> r{nullptr, nullptr, -1, {}, {}};
+  if (active) {
+    const Row<T> at = locate_row<T>(p, token, head);
+    r.x = at.x;
+    r.w = at.w;
+    r.cache = cache_row(p, token);
+#pragma unroll
+    for (int s = 0; s < kUnits; ++s) {
+      r.a[s] = load_vec_streaming<T>(r.x + u.col_a[s]);
+      r.b[s] = load_vec_streaming<T>(r.x + u.col_b[s]);
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < kUnits; ++s) {
+#pragma unroll
+      for (int j = 0; j < Vec<T>::kElems; ++j) r.a[s].v[j] = r.b[s].v[j] = from_float<T>(0.f);
+    }
+  }
+  return r;
+}
+
+// N consecutive elements of a table stored as S (float32 or the activation dtype) from `offset`,
+// as float32: whole 16-byte read-only loads (the host checks the alignment).
+template <typename S, int N>
+__device__ __forceinline__ void load_table(const void* table, int64_t offset, float (&out)[N]) {
+  constexpr int kElems = Vec<S>::kElems;
+  static_assert(N % kElems == 0, "a run is whole 16-byte vectors");
+  const S* src = static_cast<const S*>(table) + offset;
+#pragma unroll
+  for (int c = 0; c < N / kElems; ++c) {
+    float part[kElems];
+    unpack<S>(load_vec_readonly<S>(src + c * kElems), part);
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) out[c * kElems + j] = part[j];
+  }
+}
+
+// Normalizes, rotates and stores one loaded row. Every lane of the group calls it (the sum is a
+// group shuffle); lanes of a row past the end stop after the sum.
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT>
+__device__ __forceinline__ void finish_row(const Params& p, const LoadedRow<T, V4Traits<T, kHeadDim>::kUnitsPerThread>& r,
+                                           const LaneUnits<V4Traits<T, kHeadDim>::kUnitsPerThread>& u) {
+  using Tr = V4Traits<T, kHeadDim>;
+  constexpr int kVecElems = Tr::kVecElems;
+  constexpr int kUnits = Tr::kUnitsPerThread;
+  float xa[kUnits][kVecElems], xb[kUnits][kVecElems];
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int s = 0; s < kUnits; ++s) {
+    unpack<T>(r.a[s], xa[s]);
+    unpack<T>(r.b[s], xb[s]);
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) sum_sq += xa[s][j] * xa[s][j] + xb[s][j] * xb[s][j];
+  }
+  const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
+  if (r.x == nullptr) return;
+  const float rstd_offset = rstd * p.weight_offset;
+
+#pragma unroll
+  for (int s = 0; s < kUnits; ++s) {
+    float wa[kVecElems], wb[kVecElems], na[kVecElems], nb[kVecElems];
+    load_table<WeightT, kVecElems>(r.w, u.col_a[s], wa);
+    load_table<WeightT, kVecElems>(r.w, u.col_b[s], wb);
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) {
+      if constexpr (kHfRounding) {
+        na[j] = normalized<T, true>(xa[s][j], rstd, effective_weight<T, true>(wa[j], p.weight_offset));
+        nb[j] = normalized<T, true>(xb[s][j], rstd, effective_weight<T, true>(wb[j], p.weight_offset));
+      } else {  // x * rstd * (w + offset) as x * (w * rstd + offset * rstd)
+        na[j] = xa[s][j] * fmaf(wa[j], rstd, rstd_offset);
+        nb[j] = xb[s][j] * fmaf(wb[j], rstd, rstd_offset);
+      }
+    }
+    float ya[kVecElems], yb[kVecElems];
+    if (u.rotates[s]) {
+      float cos[kVecElems], sin[kVecElems];  // the unit's kVecElems pairs
+      if (r.cache < 0) {
+#pragma unroll
+        for (int j = 0; j < kVecElems; ++j) cos[j] = sin[j] = NAN;
+      } else {
+        const int64_t cos_at = r.cache * p.rope_dim + u.unit[s] * kVecElems;
+        load_table<CacheT, kVecElems>(p.cos_sin_cache, cos_at, cos);
+        load_table<CacheT, kVecElems>(p.cos_sin_cache, cos_at + p.rope_dim / 2, sin);
+        if constexpr (kHfRounding) {
+#pragma unroll
+          for (int j = 0; j < kVecElems; ++j) {
+            cos[j] = round_to<T>(cos[j]);
+            sin[j] = round_to<T>(sin[j]);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kVecElems; ++j) {
+        if constexpr (kNeox) {  // a = na[j], b = nb[j]: pair j
+          ya[j] = rotated<T, kHfRounding>(na[j], nb[j], true, cos[j], sin[j]);
+          yb[j] = rotated<T, kHfRounding>(nb[j], na[j], false, cos[j], sin[j]);
+        } else {  // pairs (j, j ^ 1) inside each vector: pair j / 2 of a, kVecElems / 2 + j / 2 of b
+          const bool first_member = j % 2 == 0;
+          const int pair_a = j / 2, pair_b = kVecElems / 2 + j / 2;
+          ya[j] = rotated<T, kHfRounding>(na[j], na[j ^ 1], first_member, cos[pair_a], sin[pair_a]);
+          yb[j] = rotated<T, kHfRounding>(nb[j], nb[j ^ 1], first_member, cos[pair_b], sin[pair_b]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVecElems; ++j) {
+        ya[j] = na[j];
+        yb[j] = nb[j];
+      }
+    }
+    store_vec_streaming<T>(r.x + u.col_a[s], pack<T>(ya));
+    store_vec_streaming<T>(r.x + u.col_b[s], pack<T>(yb));
+  }
+}
+
+// v4's walk: row = token * heads + head, advanced by the grid's row stride each step.
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT>
+__device__ __forceinline__ void walk_rows(const Params& p, int64_t rows) {
+  using Tr = V4Traits<T, kHeadDim>;
+  constexpr int kUnits = Tr::kUnitsPerThread;
+  const int lane = threadIdx.x % Tr::kThreadsPerHead;
+  const int group = threadIdx.x / Tr::kThreadsPerHead;
+  const int heads = p.num_q_heads + p.num_kv_heads;
+  const LaneUnits<kUnits> u = lane_units<kUnits, kNeox, Tr::kVecElems>(lane, Tr::kThreadsPerHead, p.rope_dim);
+
+  const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kGroupsPerBlock;
+  const int64_t token_step = row_stride / heads;
+  const int head_step = static_cast<int>(row_stride % heads);
+  const int64_t my_first_row = static_cast<int64_t>(blockIdx.x) * Tr::kGroupsPerBlock + group;
+  int64_t token = my_first_row / heads;
+  int head = static_cast<int>(my_first_row % heads);
+
+  // `first` is uniform across the block, so every lane runs the same iterations.
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kGroupsPerBlock; first < rows; first += row_stride) {
+    const LoadedRow<T, kUnits> r = load_row<T, kUnits>(p, first + group < rows, token, head, u);
+    token += token_step;
+    head += head_step;
+    if (head >= heads) {
+      head -= heads;
+      ++token;
+    }
+    finish_row<T, kHeadDim, kHfRounding, kNeox, WeightT, CacheT>(p, r, u);
+  }
+}
+
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox>
+__global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
+    qk_norm_rope_v5_kernel(Params p, int64_t rows) {
+  // The storage types are the same for the whole call: one uniform branch into the loop built
+  // for them.
+  if (p.weight_is_fp32) {
+    if (p.cache_is_fp32) return walk_rows<T, kHeadDim, kHfRounding, kNeox, float, float>(p, rows);
+    return walk_rows<T, kHeadDim, kHfRounding, kNeox, float, T>(p, rows);
+  }
+  if (p.cache_is_fp32) return walk_rows<T, kHeadDim, kHfRounding, kNeox, T, float>(p, rows);
+  walk_rows<T, kHeadDim, kHfRounding, kNeox, T, T>(p, rows);
+}
+
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -623,18 +827,18 @@ inline void launch_v3_fixed(const Params& p, cudaStream_t stream) {
                                                                               items_per_token);
 }
 
-template <typename T, int kHeadDim, bool kHfRounding>
-inline void launch_v4_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
+// v4 and v5 (same geometry): a persistent grid of at most the resident blocks.
+template <typename T, int kHeadDim, auto kKernel>
+inline void launch_persistent_rows(const Params& p, int64_t rows, cudaStream_t stream) {
   using Tr = V4Traits<T, kHeadDim>;
-  constexpr auto kernel = qk_norm_rope_v4_kernel<T, kHeadDim, kHfRounding>;
   const int64_t needed = (rows + Tr::kGroupsPerBlock - 1) / Tr::kGroupsPerBlock;
-  const int64_t resident = persistent_grid_limit<kernel>(Tr::kThreadsPerBlock);
+  const int64_t resident = persistent_grid_limit<kKernel>(Tr::kThreadsPerBlock);
   const int64_t blocks = needed < resident ? needed : resident;
-  kernel<<<static_cast<unsigned>(blocks), Tr::kThreadsPerBlock, 0, stream>>>(p, rows);
+  kKernel<<<static_cast<unsigned>(blocks), Tr::kThreadsPerBlock, 0, stream>>>(p, rows);
 }
 
-// The vector path needs 16-byte aligned rows and rope_dim a multiple of two vectors; v4 also
-// reads the weights and the cache in vectors, so their base pointers must be 16-byte aligned.
+// The vector path needs 16-byte aligned rows and rope_dim a multiple of two vectors; v4 and v5
+// also read the weights and the cache in vectors, so their base pointers must be 16-byte aligned.
 template <typename T>
 inline bool vector_path_ok(const Params& p, int version) {
   constexpr int kVecElems = Vec<T>::kElems;
@@ -649,10 +853,14 @@ inline bool vector_path_ok(const Params& p, int version) {
 template <typename T, int kHeadDim, bool kHfRounding>
 inline void launch_vector_path(const Params& p, int64_t rows, int version, cudaStream_t stream) {
   if (version == 3) return launch_v3_fixed<T, kHeadDim, kHfRounding>(p, stream);
-  launch_v4_fixed<T, kHeadDim, kHfRounding>(p, rows, stream);
+  if (version == 4) return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v4_kernel<T, kHeadDim, kHfRounding>>(p, rows, stream);
+  if (p.is_neox) {
+    return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, true>>(p, rows, stream);
+  }
+  launch_persistent_rows<T, kHeadDim, qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, false>>(p, rows, stream);
 }
 
-// v3 and v4: the vector path where head_dim is specialized and the data aligned, else v2's
+// v3, v4 and v5: the vector path where head_dim is specialized and the data aligned, else v2's
 // general path (any even head_dim / rope_dim, any alignment).
 template <typename T, bool kHfRounding>
 inline void launch_vector_or_general(const Params& p, int64_t rows, int version, cudaStream_t stream) {
@@ -687,7 +895,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 4;
+constexpr int kNumVersions = 5;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 // Version 1 needs `p.scratch` with scratch_elements(p, 1) floats.

@@ -100,7 +100,7 @@ def test_torch_compile_fullgraph():
     assert torch.equal(tensors["q"], eager["q"]) and torch.equal(tensors["k"], eager["k"])
 
 
-@pytest.mark.parametrize("version", [1, 3, 4])
+@pytest.mark.parametrize("version", [1, 3, 4, 5])
 def test_cuda_graph_capture_and_replay(version):
     tensors, kwargs = _public(contract.make_inputs(256, 8, 2, 128, 128, False, torch.bfloat16, "cuda", seed=3, fused_qkv=True))
     impl = registry.get(OP, f"cuda_v{version}")

@@ -43,9 +43,16 @@ NAMED_KERNELS = {
 }
 
 
-# Versions that launch an earlier version's kernel with other template arguments: version -> that
-# bf16 fused-rounding instantiation (qk_norm v4 is v3's kernel with a 32-bit row index).
-REUSED_KERNELS = {"qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int>"}}
+# Versions whose bf16 fused-rounding kernel the name pattern below cannot tell apart: version ->
+# that instantiation. qk_norm v4 and v5 are v3's kernel with a 32-bit row index (v5 streaming x);
+# cross_head_norm v5 is v4's dispatch with streaming kernels (v4's bulk-copy kernel named);
+# qk_norm_rope v5 is compiled per layout (the NeoX one named).
+KERNEL_INSTANCES = {
+    "qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, false>",
+                5: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true>"},
+    "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true>"},
+    "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true>"},
+}
 
 
 def named_kernel_registers(op: str) -> dict[int, str]:
@@ -66,14 +73,20 @@ def cuda_registers(op: str) -> dict[int, str]:
         return {}
     if op in NAMED_KERNELS:
         return named_kernel_registers(op)
-    # Extra template arguments after the rounding flag (qk_norm's row index type) are allowed;
-    # a version that reuses an earlier version's kernel (qk_norm v4) is looked up in REUSED_KERNELS.
-    # A version of several kernels (qk_norm_rope v1: <op>_v1_norm_kernel, <op>_v1_rope_kernel) gets
-    # one cell naming each.
-    name = re.compile(rf"{op}_v(\d+)_(\w+_)?kernel<__nv_bfloat16, (?:(\d+), )?false(?:, long)?>")
+    # Extra template arguments after the rounding flag are allowed where none is `true` (the
+    # instances of later versions: streaming) and the kernel is not in KERNEL_INSTANCES, which
+    # names the rest. A version of several kernels (qk_norm_rope v1: <op>_v1_norm_kernel,
+    # <op>_v1_rope_kernel) gets one cell naming each.
+    name = re.compile(rf"{op}_v(\d+)_(\w+_)?kernel<__nv_bfloat16, (?:(\d+), )?false((?:, [\w ]+)*)>")
+    instances = KERNEL_INSTANCES.get(op, {})
     found, parts, per_vectors = {}, {}, {}
-    for kernel in nvcc_report.compile_header(op):
+    kernels = nvcc_report.compile_header(op)
+    for kernel in kernels:
+        if any(f"::{instance}(" in kernel.kernel for instance in instances.values()):
+            continue
         m = name.search(kernel.kernel)
+        if m and "true" in m.group(4):
+            continue
         if m and m.group(2) and m.group(3) in (None, HEAD_DIM):
             parts.setdefault(int(m.group(1)), []).append(
                 f"{m.group(2)}kernel {kernel.registers} regs, {kernel.spill_bytes} B spill")
@@ -83,9 +96,9 @@ def cuda_registers(op: str) -> dict[int, str]:
             per_vectors.setdefault(int(m.group(1)), []).append((int(m.group(3)), kernel.registers, kernel.spill_bytes))
     for version, cells in parts.items():
         found[version] = "; ".join(sorted(cells))
-    for version, reused in REUSED_KERNELS.get(op, {}).items():
-        kernel = next(k for k in nvcc_report.compile_header(op) if f"::{reused}(" in k.kernel)
-        found[version] = f"{kernel.registers} regs, {kernel.spill_bytes} B spill ({reused.split('<')[0]})"
+    for version, instance in instances.items():
+        kernel = next(k for k in kernels if f"::{instance}(" in k.kernel)
+        found[version] = f"{kernel.registers} regs, {kernel.spill_bytes} B spill ({instance.split('<')[0]})"
     for version, kernels in per_vectors.items():  # one cell: every vectors-per-thread kernel
         kernels.sort()
         found[version] = (f"{'/'.join(str(r) for _, r, _ in kernels)} regs at {'/'.join(str(n) for n, _, _ in kernels)} "
@@ -174,6 +187,7 @@ def cross_head_norm_launches(widest: int, elem_bytes: int = 2) -> dict[int, tupl
         launches[3] = launches[2]  # wider rows stream through v2
     # v4: the row in dynamic shared memory past v3's two-vector limit, v3 below it
     launches[4] = (_header_constant(header, "kV4Threads"), 0) if widest > v3_threads * 2 * vec_elems else launches[3]
+    launches[5] = launches[4]  # v5: v4's dispatch, its kernels with streaming accesses
     return launches
 
 
@@ -186,23 +200,27 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
     contract = registry.contract(op)
     kernels = nvcc_report.compile_header(op)
     shared = ptxas_shared_bytes(op)
-    name = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E")
+    # <T, [vectors per thread,] fused rounding, [streaming]>
+    name = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E(?:Lb([01])E)?")
     resources = {}
     for k in kernels:
         if m := name.search(k.mangled):
-            resources[(int(m.group(1)), int(m.group(2) or 0))] = (k.registers, shared.get(k.mangled, 0))
+            key = (int(m.group(1)), int(m.group(2) or 0), m.group(3) == "1")
+            resources[key] = (k.registers, shared.get(k.mangled, 0))
     widths = sorted({max(q_hidden, k_hidden) for _, q_hidden, k_hidden in contract.BENCH_SHAPES})
     lines = ["| wider row (bf16) | version | kernel | threads/CTA | registers | smem/CTA | CTAs/SM (limit) | warps/SM | theoretical occupancy |",
              "|---|---|---|---|---|---|---|---|---|"]
     for widest in widths:
         for version, (threads, vecs) in cross_head_norm_launches(widest).items():
-            kernel_version = 2 if version == 3 and vecs == 0 else 3 if version == 4 and vecs else version
-            registers, smem = resources[(kernel_version, vecs)]
+            streaming = version == 5
+            kernel_version = 2 if version == 3 and vecs == 0 else 3 if version >= 4 and vecs else min(version, 4)
+            registers, smem = resources[(kernel_version, vecs, streaming)]
             if kernel_version == 4:
                 smem += widest * 2  # v4 stages the wider bf16 row in dynamic shared memory
             ctas, binding = theoretical_occupancy(registers, threads, smem)
             warps = ctas * (threads // WARP)
             kernel = f"v3, {vecs} vector{'s' if vecs > 1 else ''}/thread" if vecs else f"v{kernel_version}"
+            kernel += ", streaming" if streaming else ""
             lines.append(f"| {widest} | v{version} | {kernel} | {threads} | {registers} | {smem} B | {ctas} ({binding}) "
                          f"| {warps} | {100 * warps / SM90_MAX_WARPS:.0f} % |")
     lines += ["", f"(ptxas for {nvcc_report.DEFAULT_ARCH}, bf16, fused rounding; theoretical occupancy = resident warps / "

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace cookbook {
 
@@ -110,6 +111,79 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T>& in) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&in);
 }
 
+// The elements of a vector as float32, and float32 values rounded back into a vector. A bf16 is
+// the top half of a float32, so a pair packed in one 32-bit word unpacks with one shift (the low
+// element) and one mask (the high one), and a pair packs with one F2FP instruction: half the
+// instructions of converting element by element (which moves each half into its own register
+// first). fp16 pairs convert with the paired intrinsics.
+template <typename T>
+__device__ __forceinline__ void unpack(const Vec<T>& in, float (&out)[Vec<T>::kElems]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(in.v);
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kElems / 2; ++i) {
+      out[2 * i] = __uint_as_float(words[i] << 16);
+      out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+  } else if constexpr (std::is_same_v<T, __half>) {
+    const __half2* pairs = reinterpret_cast<const __half2*>(in.v);
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kElems / 2; ++i) {
+      const float2 f = __half22float2(pairs[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kElems; ++i) out[i] = in.v[i];
+  }
+}
+
+// Round to nearest even, two elements per instruction for the 16-bit types.
+template <typename T>
+__device__ __forceinline__ Vec<T> pack(const float (&in)[Vec<T>::kElems]) {
+  Vec<T> out;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(out.v);
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kElems / 2; ++i) pairs[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    __half2* pairs = reinterpret_cast<__half2*>(out.v);
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kElems / 2; ++i) pairs[i] = __floats2half2_rn(in[2 * i], in[2 * i + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kElems; ++i) out.v[i] = in[i];
+  }
+  return out;
+}
+
+// Streaming access, for the rows of an in-place op: each byte is read once and written once, so
+// the loads and stores carry the evict-first policy (ld/st.global.cs: LDG/STG.E.EF) and leave the
+// caches to what is reused (weights, cos/sin, positions). Being explicit global accesses, they
+// also never compile to generic LD/ST, which is what nvcc emits where it cannot prove a pointer
+// global (a pointer chosen at run time between q and k, for one).
+template <typename T>
+__device__ __forceinline__ Vec<T> load_vec_streaming(const T* p) {
+  Vec<T> out;
+  *reinterpret_cast<uint4*>(&out) = __ldcs(reinterpret_cast<const uint4*>(p));
+  return out;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T>& in) {
+  __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&in));
+}
+
+// Read-only tables (weights, the cos/sin cache): no kernel writes them while it reads them, so
+// they may take the non-coherent read-only path (LDG.CONSTANT), an explicit global load too.
+template <typename T>
+__device__ __forceinline__ Vec<T> load_vec_readonly(const T* p) {
+  Vec<T> out;
+  *reinterpret_cast<uint4*>(&out) = __ldg(reinterpret_cast<const uint4*>(p));
+  return out;
+}
+
 // ---- Hopper bulk copies (sm_90+): the TMA engine copies global -> shared, an mbarrier tracks it --
 // One thread asks the copy engine for a whole contiguous block (any multiple of 16 bytes, both
 // ends 16-byte aligned): one instruction, no registers, every byte in flight at once. The
@@ -174,14 +248,21 @@ __device__ __forceinline__ float effective_weight(float w, float weight_offset) 
   return kHfRounding ? round_to<T>(w_eff) : w_eff;
 }
 
-// y = x * rstd * w_eff with one rounding (fused), or round(round(x * rstd) * w_eff) (HF order).
+// The normalized value as float32: x * rstd * w_eff unrounded (fused; the caller rounds once), or
+// round(round(x * rstd) * w_eff) in the Hugging Face order.
+template <typename T, bool kHfRounding>
+__device__ __forceinline__ float normalized(float x, float rstd, float w_eff) {
+  if constexpr (kHfRounding) {
+    return round_to<T>(round_to<T>(x * rstd) * w_eff);
+  } else {
+    return x * rstd * w_eff;
+  }
+}
+
+// The same rounded into the storage type (one rounding in the fused order).
 template <typename T, bool kHfRounding>
 __device__ __forceinline__ T normalize(float x, float rstd, float w_eff) {
-  if constexpr (kHfRounding) {
-    return from_float<T>(round_to<T>(x * rstd) * w_eff);
-  } else {
-    return from_float<T>(x * rstd * w_eff);
-  }
+  return from_float<T>(normalized<T, kHfRounding>(x, rstd, w_eff));
 }
 
 // Host: a kernel's resident blocks per SM times the SMs: the size of a persistent grid. Cached
