@@ -171,16 +171,18 @@ __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Param
   const Row<T> r = locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
   const int num_vecs = r.hidden / Tr::kVecElems;  // the narrower tensor's CTAs leave threads idle
 
-  float x[kVecsPerThread][Tr::kVecElems];
+  Vec<T> x[kVecsPerThread];  // kept packed across the block reduction: half the registers of float32
   float sum_sq = 0.f;
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int vec = i * blockDim.x + threadIdx.x;
     if (vec < num_vecs) {
       const T* at = r.x + vec * Tr::kVecElems;
-      unpack<T>(kStreaming ? load_vec_streaming<T>(at) : load_vec<T>(at), x[i]);
+      x[i] = kStreaming ? load_vec_streaming<T>(at) : load_vec<T>(at);
+      float xf[Tr::kVecElems];
+      unpack<T>(x[i], xf);
 #pragma unroll
-      for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += x[i][j] * x[i][j];
+      for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += xf[j] * xf[j];
     }
   }
   const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
@@ -188,10 +190,11 @@ __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Param
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int vec = i * blockDim.x + threadIdx.x;
     if (vec < num_vecs) {
-      float w[Tr::kVecElems], y[Tr::kVecElems];
+      float xf[Tr::kVecElems], w[Tr::kVecElems], y[Tr::kVecElems];
+      unpack<T>(x[i], xf);
       load_weight_vec<T, kHfRounding>(r.w, r.w_is_fp32, vec * Tr::kVecElems, p.weight_offset, w);
 #pragma unroll
-      for (int j = 0; j < Tr::kVecElems; ++j) y[j] = normalized<T, kHfRounding>(x[i][j], rstd, w[j]);
+      for (int j = 0; j < Tr::kVecElems; ++j) y[j] = normalized<T, kHfRounding>(xf[j], rstd, w[j]);
       T* at = r.x + vec * Tr::kVecElems;
       if constexpr (kStreaming) {
         store_vec_streaming<T>(at, pack<T>(y));

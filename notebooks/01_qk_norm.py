@@ -346,6 +346,11 @@ for impl in cuda_versions:
 #   of them: the SMs issue for about as long as DRAM needs to move the bytes, so removing
 #   instructions shows up in the time. (A v4 that instead kept two rows in flight per lane group,
 #   to double the bytes in flight, measured slower and was reverted: see `docs/qk_norm.md`.)
+# * **v5** is v4 with x read and written by *streaming* accesses (`ld/st.global.cs`, evict-first
+#   in SASS: `LDG/STG.E.EF`). Each byte of x is touched exactly once, so there is nothing to gain
+#   from keeping it in the caches, while the weights and the rows still to come are. The same
+#   helper serves qk_norm_rope v5 and cross_head_norm v5; here it is worth a few per cent at
+#   1024 tokens and at the GQA and 256-dim shapes, and almost nothing at 8192 tokens x 72 heads.
 #
 # ## 8. What the compiler says: registers per kernel
 #
@@ -364,16 +369,17 @@ if nvcc_report.nvcc() is None:
 else:
     kernels = nvcc_report.compile_header(OP)
     # From the mangled names, which read the same whatever demangler a machine has:
-    # qk_norm_v3_kernelI13__nv_bfloat16Li128ELb0ElEE is v3<bf16, head_dim 128, fused, int64 rows>;
-    # v4 is the same kernel with 32-bit rows (j: uint32_t, l: int64_t).
-    name = re.compile(r"qk_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb([01])E([jl])?")
+    # qk_norm_v3_kernelI13__nv_bfloat16Li128ELb0ElLb0EE is v3<bf16, head_dim 128, fused, int64 rows,
+    # no streaming>; v4 is the same kernel with 32-bit rows (j: uint32_t, l: int64_t), v5 with
+    # 32-bit rows and streaming x (the last flag).
+    name = re.compile(r"qk_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb([01])E([jl])?(?:Lb([01])E)?")
     print(f"{OP}.cuh compiled for {nvcc_report.DEFAULT_ARCH}: {len(kernels)} kernels; bf16, head_dim 128:\n")
     table = []
     for k in kernels:
         m = name.search(k.mangled)
         if not m or m.group(2) not in (None, "128"):
             continue
-        version = 4 if m.group(4) == "j" else int(m.group(1))
+        version = (5 if m.group(5) == "1" else 4) if m.group(4) == "j" else int(m.group(1))
         hf = m.group(3) == "1"
         per_warp = -(-k.registers * 32 // REGISTER_ALLOC_UNIT) * REGISTER_ALLOC_UNIT
         warps = min(MAX_WARPS_PER_SM, REGISTERS_PER_SM // per_warp)

@@ -256,6 +256,11 @@ for impl in cuda_versions:
 #   8192 bf16 elements): measured on the H200, the same kernel lost to v3 on narrower rows at
 #   large token counts and by about a microsecond at a few tokens, since its copy and barrier
 #   wait come before any arithmetic.
+# * **v5** is v4's dispatch with x read and written by *streaming* accesses in both kernels
+#   (`ld/st.global.cs`, evict-first: `LDG/STG.E.EF` in SASS). Every byte of x is touched once; the
+#   weights are what the caches should keep. Measured on the H200 it is worth the most where
+#   rows are narrow and many CTAs stream at once: 8 % at 1024 tokens x 5120/1024 and 2-4 % at
+#   2048 and 8192 tokens x 8192.
 #
 # ## 7. What the compiler says: registers, and the occupancy they allow
 #
@@ -274,14 +279,15 @@ if nvcc_report.nvcc() is None:
 else:
     print(f"bf16 kernels, fused rounding, {nvcc_report.DEFAULT_ARCH}:\n")
     # From the mangled names, which read the same whatever demangler a machine has:
-    # cross_head_norm_v3_kernelI13__nv_bfloat16Li8ELb0EE is v3<bf16, 8 vectors per thread, fused>.
-    bf16_fused = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E")
-    found = sorted((int(m.group(1)), int(m.group(2) or 0), k) for k in nvcc_report.compile_header(OP)
+    # cross_head_norm_v3_kernelI13__nv_bfloat16Li8ELb0ELb1EE is v3<bf16, 8 vectors per thread,
+    # fused rounding, streaming x> (the instance v5 launches).
+    bf16_fused = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E(?:Lb([01])E)?")
+    found = sorted(((int(m.group(1)), int(m.group(2) or 0), m.group(3) == "1"), k) for k in nvcc_report.compile_header(OP)
                    if (m := bf16_fused.search(k.mangled)))
-    print("| version | vectors per thread | registers | spill bytes |")
-    print("|---|---|---|---|")
-    for version, vecs, k in found:
-        print(f"| v{version} | {vecs or '-'} | {k.registers} | {k.spill_bytes} |")
+    print("| kernel | vectors per thread | streaming x (v5) | registers | spill bytes |")
+    print("|---|---|---|---|---|")
+    for (version, vecs, streaming), k in found:
+        print(f"| v{version} | {vecs or '-'} | {'yes' if streaming else 'no'} | {k.registers} | {k.spill_bytes} |")
     print()
     print(docs_versions.occupancy_table(OP))
 
@@ -446,10 +452,10 @@ else:
 # token every implementation is far below the copy line: two CTAs cannot fill a GPU, and the
 # time is launch and latency, where v3's single read and small block win. At thousands of tokens
 # the versions line up as the resource table predicts: v2 ahead of v1 (more resident CTAs, twice
-# as many CTAs), v3 ahead of both (one read, 16-byte loads). The summary above the plot says,
-# per shape, which implementation was fastest and how v3 compares with eager PyTorch and
-# `torch.compile`; at the 32768-wide q row, where v3 runs its 8-vector kernel at one CTA per SM,
-# compare it with `torch.compile` in particular.
+# as many CTAs), v3 ahead of both (one read, 16-byte loads), v4 ahead of v3 at the 32768-wide q
+# row (where v3 runs its 8-vector kernel at one CTA per SM), and v5 a few per cent ahead of v4.
+# The summary above the plot says, per shape, which implementation was fastest and how the
+# last version compares with eager PyTorch and `torch.compile`.
 #
 # ## Where to go next
 #
