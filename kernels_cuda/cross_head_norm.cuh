@@ -217,7 +217,9 @@ __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Param
 // the host launches v3 otherwise, and also for rows v3 holds at one or two vectors per thread:
 // measured on the H200 (docs/cross_head_norm.md), this kernel beat v3 by 12 % at 32768-wide
 // rows but lost 3-4 % at 2048-8192 tokens x 8192 and about 1 us at 1-16 tokens (its copy and
-// barrier wait sit on the critical path before any arithmetic).
+// barrier wait sit on the critical path before any arithmetic). Those figures predate v3 keeping its row
+// packed (32 -> 64 registers at two -> eight vectors per thread): since then v3's eight-vector
+// kernel beats this one at the 32768-wide row too (docs/cross_head_norm.md, Results).
 // ------------------------------------------------------------------------------------------
 constexpr int kV4Threads = 256;
 static_assert(valid_block_size<kV4Threads>, "v4: whole warps, at most 1024 threads");

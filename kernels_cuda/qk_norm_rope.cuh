@@ -15,7 +15,7 @@
 // v2: fused, one warp per (token, head): norm and rope in one launch, each lane owns whole (a, b) pairs so no partner exchange is needed - removes v1's second launch and round trip
 // v3: 16-byte vectors held in registers, lanes sized to the head, the NeoX partner fetched by a warp shuffle, cos/sin read once per token and reused across its heads, persistent grid - removes v2's second read, narrow loads and per-head cache reads
 // v4: lanes own whole rotation pairs: a NeoX lane holds a 16-byte vector of the first half and its partner vector of the second half, so one run of cos/sin serves both and no shuffle fetches a partner; a lane keeps one row at a time - removes v3's partner shuffles, half its cos/sin loads and the registers it spends keeping a token's cos/sin and both weights across heads (79 -> 64: 4 blocks per SM instead of 3)
-// v5: the layout and the tables' storage types fixed at compile time (the kernel picks its loop once), bf16 converted two elements per instruction, the norm scale one fma per element, x read and written by streaming global accesses - removes v4's per-element layout selects, its predicated loads for both table dtypes and its generic loads and stores (a third fewer registers, 64 -> 48 interleaved / 57 NeoX)
+// v5: the layout and the tables' storage types fixed at compile time (the kernel picks its loop once), bf16 converted two elements per instruction, the norm scale one fma per element, x read and written by streaming global accesses - removes v4's per-element layout selects, its predicated loads for both table dtypes and its generic loads and stores (64 -> 57 registers NeoX, 48 interleaved)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm_rope.cu is the torch glue.
 #pragma once
@@ -576,13 +576,13 @@ __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
 
 
 // ------------------------------------------------------------------------------------------
-// v5: the layout and the tables' storage types fixed at compile time (the kernel picks its loop once), bf16 converted two elements per instruction, the norm scale one fma per element, x read and written by streaming global accesses - removes v4's per-element layout selects, its predicated loads for both table dtypes and its generic loads and stores (a third fewer registers, 64 -> 48 interleaved / 57 NeoX)
-// v4's geometry and row walk, with what v4 decided per element decided before the loop. Its SASS
-// showed, per row and lane: the NeoX/interleaved choice as selects inside the rotation; loads
-// for BOTH storage types of the weights and of the cos/sin cache, predicated (a runtime flag the
-// compiler turned into predication, so both paths issue); each bf16 moved into its own register
-// before the shift that widens it; and x read by generic LD (the row pointer is picked at run
-// time between q and k). Here:
+// v5: the layout and the tables' storage types fixed at compile time (the kernel picks its loop once), bf16 converted two elements per instruction, the norm scale one fma per element, x read and written by streaming global accesses - removes v4's per-element layout selects, its predicated loads for both table dtypes and its generic loads and stores (64 -> 57 registers NeoX, 48 interleaved)
+// The geometry and row walk of v4, with what v4 decided per element decided before the loop.
+// v4's SASS showed, per row and lane: the NeoX/interleaved choice as selects inside the
+// rotation; loads for BOTH storage types of the weights and of the cos/sin cache, predicated (a
+// runtime flag the compiler turned into predication, so both paths issue); each bf16 moved into
+// its own register before the shift that widens it; and x read by generic LD (the row pointer
+// is picked at run time between q and k). Here:
 //   - NeoX or interleaved is a template parameter (the launcher picks the kernel);
 //   - the weight and cache storage types are template parameters of the row walk, and the kernel
 //     branches once, uniformly, into one of the four walks;
