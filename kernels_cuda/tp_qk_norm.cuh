@@ -14,6 +14,7 @@
 // v2: one fused kernel: a CTA stages a tile of tokens in shared memory, pushes their partial sums into every peer's symmetric-memory buffer tagged with the call's epoch, waits for the peers' tags, and writes - removes v1's NCCL launch, its latency and the second read of the shard
 // v3: at decode sizes the warps of a CTA share each row, the header check runs beside the wait, and the weights are prefetched into L1 before it - removes v2's serial load rounds and two round trips from the critical path
 // v4: the decode kernel advances the epoch as soon as every CTA has read it (an atomic beside the wait) instead of after every CTA has finished - removes v3's end-of-kernel atomic round trip
+// v5: v4 launched as a programmatic dependent launch: its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes, and it lets the next launch do the same - removes the launch gap between back-to-back kernels from each call
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -229,6 +230,19 @@ __device__ __forceinline__ bool header_agrees(const FusedParams& p, uint32_t epo
   return false;
 }
 
+// Used by v5. A programmatic dependent launch (sm_90+; the host sets the launch attribute) may
+// start before the previous kernel in the stream has finished. Nothing this kernel reads may be touched
+// before griddepcontrol.wait returns: by then every prior grid has completed and its writes are
+// visible (x, the weights, the epoch counter). Then it lets the next launch start its CTAs: they
+// only become resident once every CTA of this grid has started or exited, so they never take an
+// SM one of ours still needs (the deadlock argument is unchanged), and they wait in hardware.
+__device__ __forceinline__ void after_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ------------------------------------------------------------------------------------------
 // v2: one fused kernel: a CTA stages a tile of tokens in shared memory, pushes their partial sums into every peer's symmetric-memory buffer tagged with the call's epoch, waits for the peers' tags, and writes - removes v1's NCCL launch, its latency and the second read of the shard
 // grid.x: tiles of tokens_per_cta tokens; the tile's 2 * tokens rows (q rows, then k rows) go to
@@ -293,13 +307,14 @@ __device__ __forceinline__ void load_weights(const Row<T>& r, int col, float wei
   }
 }
 
-template <typename T, int kElems, bool kStaged, bool kHfRounding>
+template <typename T, int kElems, bool kStaged, bool kHfRounding, bool kProgrammatic = false>
 __global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
   using P = Pack<T, kElems>;
   extern __shared__ __align__(kVecBytes) unsigned char tile_bytes[];
   __shared__ float partials[kMaxRowsPerCta][kMaxRanks];
   __shared__ int ranks_agree;
 
+  if constexpr (kProgrammatic) after_prior_grids();
   const uint32_t epoch = read_epoch(p);
   if (chunk_abandoned(p, epoch)) return;
   const int parity = static_cast<int>(epoch % kParities);
@@ -412,7 +427,8 @@ __device__ __forceinline__ bool wait_for_epoch_unless(const uint64_t* addr, uint
 constexpr int kEpochThread = kFusedThreads - 1 - kMaxRanks * kHeaderWords;  // neither a waiting nor a header thread
 static_assert(kEpochThread >= kMaxRowsPerCta * kMaxRanks, "v4: the epoch thread does not wait for sums");
 
-template <typename T, int kElems, bool kStaged, bool kHfRounding, bool kEarlyEpoch = false>
+template <typename T, int kElems, bool kStaged, bool kHfRounding, bool kEarlyEpoch = false,
+          bool kProgrammatic = false>
 __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) {
   using P = Pack<T, kElems>;
   extern __shared__ __align__(kVecBytes) unsigned char tile_bytes[];
@@ -420,6 +436,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
   __shared__ float partials[kMaxRowsPerCta][kMaxRanks];
   __shared__ int ranks_agree;
 
+  if constexpr (kProgrammatic) after_prior_grids();
   const uint32_t epoch = read_epoch(p);
   if (chunk_abandoned(p, epoch)) return;
   const bool near_wrap = epoch >= kLastEpoch - 1;
@@ -541,15 +558,50 @@ inline int slices_per_row(int tokens_per_cta) {
   return rows < kFusedWarps ? kFusedWarps / rows : 1;
 }
 
+// Whether this GPU takes programmatic dependent launches (sm_90 and later), per device.
+inline bool programmatic_launch_supported() {
+  static int cached[kMaxDevices] = {};  // 0: not queried yet, 1: no, 2: yes
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device >= kMaxDevices) return false;
+  if (cached[device] == 0) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cached[device] = major >= 9 ? 2 : 1;
+  }
+  return cached[device] == 2;
+}
+
+// Used by v5: the launch attribute that lets a kernel start before the previous one in the stream
+// has finished (it waits for it in after_prior_grids). Captured into CUDA graphs as a programmatic edge.
+inline void launch_programmatic(void (*kernel)(FusedParams), const FusedParams& p, unsigned grid, size_t tile_bytes,
+                                cudaStream_t stream) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kFusedThreads);
+  config.dynamicSmemBytes = tile_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, kernel, p);  // an error is left for cudaGetLastError, like <<<>>>
+}
+
 // v3 runs its own kernel only where warps share rows (decode sizes); with a warp per row it IS v2
 // (measured: the prefetches and the later push cost v2's prefill speed, 1.35x at 16384 tokens).
 template <int kVersion, typename T, int kElems, bool kStaged, bool kHfRounding>
 inline void launch_fused_kernel(const FusedParams& p, unsigned grid, size_t tile_bytes, cudaStream_t stream) {
-  if (kVersion == 2 || p.slices_per_row == 1) {
-    fused_kernel<T, kElems, kStaged, kHfRounding><<<grid, kFusedThreads, tile_bytes, stream>>>(p);
+  constexpr bool kEarlyEpoch = kVersion >= 4;
+  constexpr bool kProgrammatic = kVersion >= 5;
+  void (*kernel)(FusedParams) = kVersion == 2 || p.slices_per_row == 1
+                                    ? fused_kernel<T, kElems, kStaged, kHfRounding, kProgrammatic>
+                                    : fused_v3_kernel<T, kElems, kStaged, kHfRounding, kEarlyEpoch, kProgrammatic>;
+  if (kProgrammatic && programmatic_launch_supported()) {
+    launch_programmatic(kernel, p, grid, tile_bytes, stream);
   } else {
-    constexpr bool kEarlyEpoch = kVersion >= 4;
-    fused_v3_kernel<T, kElems, kStaged, kHfRounding, kEarlyEpoch><<<grid, kFusedThreads, tile_bytes, stream>>>(p);
+    kernel<<<grid, kFusedThreads, tile_bytes, stream>>>(p);
   }
 }
 
@@ -618,7 +670,7 @@ inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cu
   });
 }
 
-constexpr int kNumVersions = 4;
+constexpr int kNumVersions = 5;
 
 // The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
 inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
@@ -629,8 +681,10 @@ inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, in
       hf_rounding ? launch_fused<2, T, true>(p, stream) : launch_fused<2, T, false>(p, stream);
     } else if (version == 3) {
       hf_rounding ? launch_fused<3, T, true>(p, stream) : launch_fused<3, T, false>(p, stream);
-    } else {
+    } else if (version == 4) {
       hf_rounding ? launch_fused<4, T, true>(p, stream) : launch_fused<4, T, false>(p, stream);
+    } else {
+      hf_rounding ? launch_fused<5, T, true>(p, stream) : launch_fused<5, T, false>(p, stream);
     }
   });
 }
