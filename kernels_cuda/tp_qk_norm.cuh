@@ -230,12 +230,8 @@ __device__ __forceinline__ bool header_agrees(const FusedParams& p, uint32_t epo
   return false;
 }
 
-// Used by v5. A programmatic dependent launch (sm_90+; the host sets the launch attribute) may
-// start before the previous kernel in the stream has finished. Nothing this kernel reads may be touched
-// before griddepcontrol.wait returns: by then every prior grid has completed and its writes are
-// visible (x, the weights, the epoch counter). Then it lets the next launch start its CTAs: they
-// only become resident once every CTA of this grid has started or exited, so they never take an
-// SM one of ours still needs (the deadlock argument is unchanged), and they wait in hardware.
+// The start of every v5 kernel (the v5 section below says why): wait in hardware until the grids
+// this launch depends on have completed and their writes are visible, then let the next launch in.
 __device__ __forceinline__ void after_prior_grids() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -527,6 +523,20 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
   }
   if (!kEarlyEpoch || near_wrap) end_launch(p, epoch, parity);
 }
+
+// ------------------------------------------------------------------------------------------
+// v5: v4 launched as a programmatic dependent launch: its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes, and it lets the next launch do the same - removes the launch gap between back-to-back kernels from each call
+// At decode sizes a call is a few microseconds, and part of each is the gap between kernels: the
+// previous kernel drains, then this grid's CTAs are launched and start. With the launch attribute
+// (sm_90+, set by the host) the CTAs may become resident before the previous kernel has finished;
+// each one's first instruction, griddepcontrol.wait, holds it until every prior grid has completed
+// and its writes are visible, so nothing it reads (x, the weights, the epoch counter) can be
+// stale. It then executes griddepcontrol.launch_dependents: the next launch's CTAs become
+// resident only once every CTA of this grid has executed it or exited, so they never take an SM
+// one of ours still needs (the deadlock argument above is unchanged). Both kernels (v2's at
+// prefill sizes, v4's at decode sizes) get it. Under CUDA graphs the attribute becomes a
+// programmatic edge; on an older GPU the host launches without it and the wait compiles away.
+// ------------------------------------------------------------------------------------------
 
 // ------------------------------------------------------------------------------------------
 // Launchers (host).
