@@ -12,7 +12,7 @@
 // v2: grid (tokens, 2), blockIdx.y picks q or k: one sum and one weight per CTA - removes v1's extra live registers (higher occupancy) and doubles the CTAs
 // v3: 16-byte vectors with the row held in registers, block size derived from the hidden size - removes v2's second read and narrow loads
 // v4: rows wider than v3's two-vector limit (8192 bf16 elements) staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there; narrower rows run v3 - removes v3's wide-row cost: 64 to 100 registers per thread and one or two CTAs per SM, with 16 bytes in flight per thread
-// v5: v4 with x read and written by streaming (evict-first) global accesses in both of its kernels - removes v4's default caching of bytes that are touched once
+// v5: v4 with x read and written by streaming (evict-first) global accesses, and the bulk copy kept for rows beyond v3's eight-vector limit (32768 bf16 elements) - removes v4's default caching of bytes that are touched once, and its slower bulk-copy path for 8193- to 32768-wide rows
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Param
     const int vec = i * blockDim.x + threadIdx.x;
     if (vec < num_vecs) {
       const T* at = r.x + vec * Tr::kVecElems;
-      x[i] = kStreaming ? load_vec_streaming<T>(at) : load_vec<T>(at);
+      x[i] = load_x<T, kStreaming>(at);
       float xf[Tr::kVecElems];
       unpack<T>(x[i], xf);
 #pragma unroll
@@ -195,12 +195,7 @@ __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Param
       load_weight_vec<T, kHfRounding>(r.w, r.w_is_fp32, vec * Tr::kVecElems, p.weight_offset, w);
 #pragma unroll
       for (int j = 0; j < Tr::kVecElems; ++j) y[j] = normalized<T, kHfRounding>(xf[j], rstd, w[j]);
-      T* at = r.x + vec * Tr::kVecElems;
-      if constexpr (kStreaming) {
-        store_vec_streaming<T>(at, pack<T>(y));
-      } else {
-        store_vec<T>(at, pack<T>(y));
-      }
+      store_x<T, kStreaming>(r.x + vec * Tr::kVecElems, pack<T>(y));
     }
   }
 }
@@ -260,22 +255,19 @@ __global__ void __launch_bounds__(kV4Threads) cross_head_norm_v4_kernel(Params p
     load_weight_vec<T, kHfRounding>(r.w, r.w_is_fp32, vec * Tr::kVecElems, p.weight_offset, w);
 #pragma unroll
     for (int j = 0; j < Tr::kVecElems; ++j) y[j] = normalized<T, kHfRounding>(x[j], rstd, w[j]);
-    T* at = r.x + vec * Tr::kVecElems;
-    if constexpr (kStreaming) {
-      store_vec_streaming<T>(at, pack<T>(y));
-    } else {
-      store_vec<T>(at, pack<T>(y));
-    }
+    store_x<T, kStreaming>(r.x + vec * Tr::kVecElems, pack<T>(y));
   }
 #endif
 }
 
 // ------------------------------------------------------------------------------------------
-// v5: v4 with x read and written by streaming (evict-first) global accesses in both of its kernels - removes v4's default caching of bytes that are touched once
+// v5: v4 with x read and written by streaming (evict-first) global accesses, and the bulk copy kept for rows beyond v3's eight-vector limit (32768 bf16 elements) - removes v4's default caching of bytes that are touched once, and its slower bulk-copy path for 8193- to 32768-wide rows
 // The kernels above with kStreaming: every byte of x is read once and written once, so its loads
 // and stores carry the evict-first policy (LDG/STG.E.EF) and L2 keeps the weights and the lines
 // still to come. Measured on the H200 (docs/cross_head_norm.md) next to v4 and to the packed
-// conversions alone.
+// conversions alone. The dispatch moves too: since v3 keeps its row packed (64 registers at eight
+// vectors per thread), it beat the bulk copy at 32768-wide rows on the H200 (27.8 against
+// 30.7 us, 512 tokens), so v5 runs v3 up to its eight-vector limit and v4's kernel only beyond.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
@@ -350,11 +342,13 @@ inline size_t v4_shared_bytes(const Params& p) {
   return vector_aligned<T>(p) && row_bytes <= limit[device] && limit[device] > 1 ? row_bytes : 0;
 }
 
-// kStreaming: v5, the same dispatch with streaming accesses to x in both kernels.
+// kStreaming: v5, streaming accesses to x in both kernels, and v3 for every row it holds in
+// registers (up to kV3MaxVecsPerThread vectors per thread) where v4 stops at two vectors.
 template <typename T, bool kHfRounding, bool kStreaming = false>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
+  constexpr int kWidestForV3 = kStreaming ? V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden : V3Traits<T, 2>::kMaxHidden;
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
-  const size_t shared_bytes = widest > V3Traits<T, 2>::kMaxHidden ? v4_shared_bytes<T, kHfRounding, kStreaming>(p) : 0;
+  const size_t shared_bytes = widest > kWidestForV3 ? v4_shared_bytes<T, kHfRounding, kStreaming>(p) : 0;
   if (shared_bytes == 0) return launch_v3<T, kHfRounding, kStreaming>(p, stream);
   cross_head_norm_v4_kernel<T, kHfRounding, kStreaming><<<token_tensor_grid(p), kV4Threads, shared_bytes, stream>>>(p);
 }

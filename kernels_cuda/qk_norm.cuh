@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     for (int i = 0; i < Tr::kVecsPerThread; ++i) {
       Vec<T> v;
       if (active) {
-        v = kStreaming ? load_vec_streaming<T>(r.x + column(i, 0)) : load_vec<T>(r.x + column(i, 0));
+        v = load_x<T, kStreaming>(r.x + column(i, 0));
       } else {
 #pragma unroll
         for (int j = 0; j < Tr::kVecElems; ++j) v.v[j] = from_float<T>(0.f);
@@ -199,11 +199,7 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
           const int e = i * Tr::kVecElems + j;
           y[j] = normalized<T, kHfRounding>(x[i][j], rstd, r.is_q ? w_q[e] : w_k[e]);
         }
-        if constexpr (kStreaming) {
-          store_vec_streaming<T>(r.x + column(i, 0), pack<T>(y));
-        } else {
-          store_vec<T>(r.x + column(i, 0), pack<T>(y));
-        }
+        store_x<T, kStreaming>(r.x + column(i, 0), pack<T>(y));
       }
     }
   }

@@ -175,6 +175,23 @@ __device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T>& in) {
   __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&in));
 }
 
+// The row of an in-place op: streaming accesses in the kernels compiled with kStreaming (the v5s),
+// the default cached ones otherwise. One place for the choice, so a kernel body reads the same.
+template <typename T, bool kStreaming>
+__device__ __forceinline__ Vec<T> load_x(const T* p) {
+  if constexpr (kStreaming) return load_vec_streaming<T>(p);
+  return load_vec<T>(p);
+}
+
+template <typename T, bool kStreaming>
+__device__ __forceinline__ void store_x(T* p, const Vec<T>& in) {
+  if constexpr (kStreaming) {
+    store_vec_streaming<T>(p, in);
+  } else {
+    store_vec<T>(p, in);
+  }
+}
+
 // Read-only tables (weights, the cos/sin cache): no kernel writes them while it reads them, so
 // they may take the non-coherent read-only path (LDG.CONSTANT), an explicit global load too.
 template <typename T>
