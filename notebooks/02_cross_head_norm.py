@@ -256,11 +256,13 @@ for impl in cuda_versions:
 #   8192 bf16 elements): measured on the H200, the same kernel lost to v3 on narrower rows at
 #   large token counts and by about a microsecond at a few tokens, since its copy and barrier
 #   wait come before any arithmetic.
-# * **v5** is v4's dispatch with x read and written by *streaming* accesses in both kernels
-#   (`ld/st.global.cs`, evict-first: `LDG/STG.E.EF` in SASS). Every byte of x is touched once; the
-#   weights are what the caches should keep. Measured on the H200 it is worth the most where
-#   rows are narrow and many CTAs stream at once: 8 % at 1024 tokens x 5120/1024 and 2-4 % at
-#   2048 and 8192 tokens x 8192.
+# * **v5** reads and writes x by *streaming* accesses in both kernels (`ld/st.global.cs`,
+#   evict-first: `LDG/STG.E.EF` in SASS). Every byte of x is touched once; the weights are what
+#   the caches should keep. Measured on the H200 it is worth the most where many CTAs stream at
+#   once: 8 % at 1024 tokens x 5120/1024, 4 % at 256 tokens x 8192. Its dispatch also moves: v3
+#   keeping its row packed made v3's 8-vector kernel faster than v4's bulk copy at the
+#   32768-wide row, so v5 runs v3's kernel up to 32768 bf16 elements and the bulk copy only
+#   beyond (24.9 us there, against 30.7 for v4 and 27.3 for `torch.compile`).
 #
 # ## 7. What the compiler says: registers, and the occupancy they allow
 #
@@ -318,9 +320,10 @@ if not ncu_pages:
 # The table is the occupancy lesson. v1's two live rows cost it registers (38 vs v2's 29) and a
 # quarter of the SM's warps. v3's row in registers is cheap for rows up to 4096 elements (one
 # vector per thread), but the widest row of the sweep, q_hidden 32768, needs 8 vectors per thread:
-# 100 registers, one 512-thread CTA per SM, a quarter of the warps, and with one CTA per SM each
-# SM idles at the block reduction's barriers. The k rows of that launch (4096 wide) run in the
-# same wide kernel, with most of their threads idle.
+# 64 registers even with the row kept packed, two 512-thread CTAs per SM, half the warps. v4
+# stages such rows in shared memory instead (one bulk copy per row); with the packed row v3 beats
+# that, so v5 keeps v3's kernel up to its eight-vector limit. The k rows of that launch (4096
+# wide) run in the same wide kernel, with most of their threads idle.
 #
 # ## 8. Does every implementation agree with the contract?
 #
@@ -452,8 +455,10 @@ else:
 # token every implementation is far below the copy line: two CTAs cannot fill a GPU, and the
 # time is launch and latency, where v3's single read and small block win. At thousands of tokens
 # the versions line up as the resource table predicts: v2 ahead of v1 (more resident CTAs, twice
-# as many CTAs), v3 ahead of both (one read, 16-byte loads), v4 ahead of v3 at the 32768-wide q
-# row (where v3 runs its 8-vector kernel at one CTA per SM), and v5 a few per cent ahead of v4.
+# as many CTAs), v3 ahead of both (one read, 16-byte loads), v4 equal to v3 up to 8192 and
+# behind it at the 32768-wide q row (its bulk copy into shared memory loses to v3's packed
+# 8-vector kernel there), and v5 (streaming accesses, v3's kernel up to 32768) a few per cent
+# ahead of both, 10 % at the widest row.
 # The summary above the plot says, per shape, which implementation was fastest and how the
 # last version compares with eager PyTorch and `torch.compile`.
 #

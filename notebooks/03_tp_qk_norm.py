@@ -382,9 +382,10 @@ print(HEADER[start:HEADER.rindex("\n// ---", start, end)].rstrip())
 #   used, so no word from the previous cycle can look current after it.
 # * **Why CUDA graphs work.** The epoch is not a kernel argument (a graph replays its arguments
 #   frozen at capture): it lives in device memory, every CTA reads it at the start, and once
-#   every CTA has read it the last one advances it (v2 and v3 at the end of the kernel, v4 as soon
-#   as the last CTA has counted itself in). A replay therefore runs the next epoch, like an eager
-#   call.
+#   every CTA has read it the last one advances it (v2 and v3 at the end of the kernel, v4 and v5
+#   as soon as the last CTA has counted itself in). A replay therefore runs the next epoch, like an
+#   eager call. v5's programmatic launch may start before the previous kernel ends, but its CTAs
+#   read nothing, the epoch included, before `griddepcontrol.wait` says that kernel has finished.
 #
 # The simulation below models exactly that on lists of Python ints: each rank's buffer with the
 # layout of `tp_workspace` (headers, then slots indexed by parity, token, tensor, source), its

@@ -36,9 +36,10 @@ VECTORS_PER_THREAD_OPS = {"cross_head_norm"}
 NAMED_KERNELS = {
     "tp_qk_norm": {
         1: ("sum_sq_kernel<__nv_bfloat16>", "apply_kernel<__nv_bfloat16, false>"),
-        2: ("fused_kernel<__nv_bfloat16, 8, true, false>",),
-        3: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, false>", "fused_kernel<__nv_bfloat16, 8, true, false>"),
-        4: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true>", "fused_kernel<__nv_bfloat16, 8, true, false>"),
+        2: ("fused_kernel<__nv_bfloat16, 8, true, false, false>",),
+        3: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, false, false>", "fused_kernel<__nv_bfloat16, 8, true, false, false>"),
+        4: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, false>", "fused_kernel<__nv_bfloat16, 8, true, false, false>"),
+        5: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true>", "fused_kernel<__nv_bfloat16, 8, true, false, true>"),
     },
 }
 
@@ -187,7 +188,9 @@ def cross_head_norm_launches(widest: int, elem_bytes: int = 2) -> dict[int, tupl
         launches[3] = launches[2]  # wider rows stream through v2
     # v4: the row in dynamic shared memory past v3's two-vector limit, v3 below it
     launches[4] = (_header_constant(header, "kV4Threads"), 0) if widest > v3_threads * 2 * vec_elems else launches[3]
-    launches[5] = launches[4]  # v5: v4's dispatch, its kernels with streaming accesses
+    # v5: streaming kernels; the bulk copy only past v3's eight-vector limit, v3 below it
+    launches[5] = (_header_constant(header, "kV4Threads"), 0) if widest > v3_threads * v3_max_vecs * vec_elems \
+        else launches[3]
     return launches
 
 
