@@ -13,6 +13,7 @@
 // v3: 16-byte vectors held in registers, lanes sized to the head, q and k on a persistent grid with the weights loaded once per thread - removes v2's second read and narrow loads
 // v4: a 32-bit row -> (token, head) division where rows < 2^32 - removes most of v3's per-row index arithmetic
 // v5: x read and written by streaming (evict-first) global accesses, as qk_norm_rope v5 and cross_head_norm v5 do - removes v4's default caching of bytes that are touched once
+// v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -140,11 +141,13 @@ struct V3Traits {
 };
 
 // v3 divides with RowIndex = int64_t; v4 (below) is this kernel with RowIndex = uint32_t, v5 with
-// RowIndex = uint32_t and kStreaming.
-template <typename T, int kHeadDim, bool kHfRounding, typename RowIndex, bool kStreaming = false>
+// RowIndex = uint32_t and kStreaming, v6 with kProgrammatic too.
+template <typename T, int kHeadDim, bool kHfRounding, typename RowIndex, bool kStreaming = false,
+          bool kProgrammatic = false>
 __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_v3_kernel(Params p, int64_t rows) {
   using Tr = V3Traits<T, kHeadDim>;
+  if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
   const int lane = threadIdx.x % Tr::kThreadsPerHead;  // lane within its head group
   const int head_in_block = threadIdx.x / Tr::kThreadsPerHead;
 
@@ -217,6 +220,13 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // rows' lines are what L2 should keep; measured on the H200 (docs/qk_norm.md) this is worth
 // 0.5 % at 8192 tokens x 72 heads and 3-5 % at 1024 tokens and at the GQA and 256-dim shapes.
 // ------------------------------------------------------------------------------------------
+// v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
+// The same kernel again, with kProgrammatic, launched with the programmatic-stream-serialization
+// attribute (launch_kernel and after_prior_grids in include/common.cuh say how it stays correct).
+// At one token a call is one CTA with one row per tensor to normalize; the kernel boundary is
+// then a large part of the call, and this overlaps it with the previous kernel's tail when that
+// kernel lets it (the bench's previous call does). Measured on the H200: docs/qk_norm.md.
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -231,7 +241,8 @@ inline void launch_v2(const Params& p, int64_t rows, cudaStream_t stream) {
   qk_norm_v2_kernel<T, kHfRounding><<<static_cast<unsigned>(blocks), kV2Threads, 0, stream>>>(p, rows);
 }
 
-// kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32; 5: v4 with streaming x.
+// kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32; 5: v4 with streaming x;
+// 6: v5 as a programmatic dependent launch.
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
@@ -239,11 +250,13 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
   }
   using Tr = V3Traits<T, kHeadDim>;
   using RowIndex = std::conditional_t<kVersion >= 4, uint32_t, int64_t>;
-  constexpr auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, (kVersion >= 5)>;
+  constexpr bool kProgrammatic = kVersion >= 6;
+  constexpr auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, (kVersion >= 5), kProgrammatic>;
   const int64_t needed = (rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock;
   const int64_t resident = persistent_grid_limit<kernel>(Tr::kThreadsPerBlock);
   const int64_t blocks = needed < resident ? needed : resident;
-  kernel<<<static_cast<unsigned>(blocks), Tr::kThreadsPerBlock, 0, stream>>>(p, rows);
+  launch_kernel(kProgrammatic, kernel, dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreadsPerBlock), 0, stream, p,
+                rows);
 }
 
 // The 16-byte path needs both tensors' rows to start on 16-byte boundaries.
@@ -277,7 +290,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 2: return launch_v2<T, kHfRounding>(p, rows, stream);
     case 3: return launch_v3<T, kHfRounding, 3>(p, rows, stream);
     case 4: return launch_v3<T, kHfRounding, 4>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding, 5>(p, rows, stream);
+    case 5: return launch_v3<T, kHfRounding, 5>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 6>(p, rows, stream);
   }
 }
 
@@ -290,7 +304,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 5;
+constexpr int kNumVersions = 6;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

@@ -16,6 +16,7 @@
 // v3: 16-byte vectors held in registers, lanes sized to the head, the NeoX partner fetched by a warp shuffle, cos/sin read once per token and reused across its heads, persistent grid - removes v2's second read, narrow loads and per-head cache reads
 // v4: lanes own whole rotation pairs: a NeoX lane holds a 16-byte vector of the first half and its partner vector of the second half, so one run of cos/sin serves both and no shuffle fetches a partner; a lane keeps one row at a time - removes v3's partner shuffles, half its cos/sin loads and the registers it spends keeping a token's cos/sin and both weights across heads (79 -> 64: 4 blocks per SM instead of 3)
 // v5: the layout and the tables' storage types fixed at compile time (the kernel picks its loop once), bf16 converted two elements per instruction, the norm scale one fma per element, x read and written by streaming global accesses - removes v4's per-element layout selects, its predicated loads for both table dtypes and its generic loads and stores (64 -> 57 registers NeoX, 48 interleaved)
+// v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm_rope.cu is the torch glue.
 #pragma once
@@ -774,9 +775,10 @@ __device__ __forceinline__ void walk_rows(const Params& p, int64_t rows) {
   }
 }
 
-template <typename T, int kHeadDim, bool kHfRounding, bool kNeox>
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, bool kProgrammatic = false>
 __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_rope_v5_kernel(Params p, int64_t rows) {
+  if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
   // The storage types are the same for the whole call: one uniform branch into the loop built
   // for them.
   if (p.weight_is_fp32) {
@@ -788,6 +790,13 @@ __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
 }
 
 
+// ------------------------------------------------------------------------------------------
+// v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
+// v5's kernel with kProgrammatic, launched with the programmatic-stream-serialization attribute
+// (launch_kernel and after_prior_grids in include/common.cuh say how it stays correct). At
+// decode sizes (64 tokens: 4096 rows of 128 elements, 2 MiB) the call is short enough that the
+// kernel boundary is a visible part of it; this overlaps it with the previous kernel's tail when
+// that kernel lets it (the bench's previous call does). Measured on the H200: docs/qk_norm_rope.md.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
@@ -827,14 +836,16 @@ inline void launch_v3_fixed(const Params& p, cudaStream_t stream) {
                                                                               items_per_token);
 }
 
-// v4 and v5 (same geometry): a persistent grid of at most the resident blocks.
-template <typename T, int kHeadDim, auto kKernel>
+// v4, v5 and v6 (same geometry): a persistent grid of at most the resident blocks; v6 launched
+// programmatically.
+template <typename T, int kHeadDim, auto kKernel, bool kProgrammatic = false>
 inline void launch_persistent_rows(const Params& p, int64_t rows, cudaStream_t stream) {
   using Tr = V4Traits<T, kHeadDim>;
   const int64_t needed = (rows + Tr::kGroupsPerBlock - 1) / Tr::kGroupsPerBlock;
   const int64_t resident = persistent_grid_limit<kKernel>(Tr::kThreadsPerBlock);
   const int64_t blocks = needed < resident ? needed : resident;
-  kKernel<<<static_cast<unsigned>(blocks), Tr::kThreadsPerBlock, 0, stream>>>(p, rows);
+  launch_kernel(kProgrammatic, kKernel, dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreadsPerBlock), 0, stream, p,
+                rows);
 }
 
 // The vector path needs 16-byte aligned rows and rope_dim a multiple of two vectors; v4 and v5
@@ -854,13 +865,20 @@ template <typename T, int kHeadDim, bool kHfRounding>
 inline void launch_vector_path(const Params& p, int64_t rows, int version, cudaStream_t stream) {
   if (version == 3) return launch_v3_fixed<T, kHeadDim, kHfRounding>(p, stream);
   if (version == 4) return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v4_kernel<T, kHeadDim, kHfRounding>>(p, rows, stream);
-  if (p.is_neox) {
-    return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, true>>(p, rows, stream);
+  if (version == 5) {
+    if (p.is_neox) {
+      return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, true>>(p, rows, stream);
+    }
+    return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, false>>(p, rows, stream);
   }
-  launch_persistent_rows<T, kHeadDim, qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, false>>(p, rows, stream);
+  if (p.is_neox) {
+    return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, true, true>, true>(
+        p, rows, stream);
+  }
+  launch_persistent_rows<T, kHeadDim, qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, false, true>, true>(p, rows, stream);
 }
 
-// v3, v4 and v5: the vector path where head_dim is specialized and the data aligned, else v2's
+// v3 to v6: the vector path where head_dim is specialized and the data aligned, else v2's
 // general path (any even head_dim / rope_dim, any alignment).
 template <typename T, bool kHfRounding>
 inline void launch_vector_or_general(const Params& p, int64_t rows, int version, cudaStream_t stream) {
@@ -895,7 +913,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 5;
+constexpr int kNumVersions = 6;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 // Version 1 needs `p.scratch` with scratch_elements(p, 1) floats.

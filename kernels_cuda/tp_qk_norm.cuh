@@ -230,15 +230,6 @@ __device__ __forceinline__ bool header_agrees(const FusedParams& p, uint32_t epo
   return false;
 }
 
-// The start of every v5 kernel (the v5 section below says why): wait in hardware until the grids
-// this launch depends on have completed and their writes are visible, then let the next launch in.
-__device__ __forceinline__ void after_prior_grids() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // ------------------------------------------------------------------------------------------
 // v2: one fused kernel: a CTA stages a tile of tokens in shared memory, pushes their partial sums into every peer's symmetric-memory buffer tagged with the call's epoch, waits for the peers' tags, and writes - removes v1's NCCL launch, its latency and the second read of the shard
 // grid.x: tiles of tokens_per_cta tokens; the tile's 2 * tokens rows (q rows, then k rows) go to
@@ -536,6 +527,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
 // one of ours still needs (the deadlock argument above is unchanged). Both kernels (v2's at
 // prefill sizes, v4's at decode sizes) get it. Under CUDA graphs the attribute becomes a
 // programmatic edge; on an older GPU the host launches without it and the wait compiles away.
+// (after_prior_grids and launch_kernel, in include/common.cuh, are shared with the other ops.)
 // ------------------------------------------------------------------------------------------
 
 // ------------------------------------------------------------------------------------------
@@ -568,37 +560,6 @@ inline int slices_per_row(int tokens_per_cta) {
   return rows < kFusedWarps ? kFusedWarps / rows : 1;
 }
 
-// Whether this GPU takes programmatic dependent launches (sm_90 and later), per device.
-inline bool programmatic_launch_supported() {
-  static int cached[kMaxDevices] = {};  // 0: not queried yet, 1: no, 2: yes
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device >= kMaxDevices) return false;
-  if (cached[device] == 0) {
-    int major = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cached[device] = major >= 9 ? 2 : 1;
-  }
-  return cached[device] == 2;
-}
-
-// Used by v5: the launch attribute that lets a kernel start before the previous one in the stream
-// has finished (it waits for it in after_prior_grids). Captured into CUDA graphs as a programmatic edge.
-inline void launch_programmatic(void (*kernel)(FusedParams), const FusedParams& p, unsigned grid, size_t tile_bytes,
-                                cudaStream_t stream) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(kFusedThreads);
-  config.dynamicSmemBytes = tile_bytes;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  cudaLaunchKernelEx(&config, kernel, p);  // an error is left for cudaGetLastError, like <<<>>>
-}
-
 // v3 runs its own kernel only where warps share rows (decode sizes); with a warp per row it IS v2
 // (measured: the prefetches and the later push cost v2's prefill speed, 1.35x at 16384 tokens).
 template <int kVersion, typename T, int kElems, bool kStaged, bool kHfRounding>
@@ -608,11 +569,7 @@ inline void launch_fused_kernel(const FusedParams& p, unsigned grid, size_t tile
   void (*kernel)(FusedParams) = kVersion == 2 || p.slices_per_row == 1
                                     ? fused_kernel<T, kElems, kStaged, kHfRounding, kProgrammatic>
                                     : fused_v3_kernel<T, kElems, kStaged, kHfRounding, kEarlyEpoch, kProgrammatic>;
-  if (kProgrammatic && programmatic_launch_supported()) {
-    launch_programmatic(kernel, p, grid, tile_bytes, stream);
-  } else {
-    kernel<<<grid, kFusedThreads, tile_bytes, stream>>>(p);
-  }
+  launch_kernel(kProgrammatic, kernel, dim3(grid), dim3(kFusedThreads), tile_bytes, stream, p);
 }
 
 template <int kVersion, typename T, int kElems, bool kHfRounding>

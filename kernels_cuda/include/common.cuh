@@ -302,4 +302,59 @@ inline int persistent_grid_limit(int threads_per_block) {
   return limit;
 }
 
+// ---- Programmatic dependent launch (sm_90+) --------------------------------------------------
+// A kernel launched with the programmatic-stream-serialization attribute may be launched while
+// the previous kernel in the stream is still running: its CTAs become resident as SMs free up,
+// so the launch gap between two kernels overlaps the first one's tail. Such a kernel starts with
+// after_prior_grids(): griddepcontrol.wait holds each CTA, in hardware, until every grid it
+// depends on has completed and its writes are visible (nothing may be read before it, since the
+// previous kernel may be the one writing x); griddepcontrol.launch_dependents then lets the next
+// programmatic launch in the stream start the same way. That launch's CTAs become resident only
+// once every CTA of this grid has executed it or exited, so they never take an SM from this grid.
+// Compiled for an older GPU both instructions vanish, and the host launches without the attribute.
+__device__ __forceinline__ void after_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Host: whether the current GPU takes programmatic dependent launches (sm_90 and later).
+inline bool programmatic_launch_supported() {
+  static int cached[kMaxDevices] = {};  // 0: not queried yet, 1: no, 2: yes
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device >= kMaxDevices) return false;
+  if (cached[device] == 0) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cached[device] = major >= 9 ? 2 : 1;
+  }
+  return cached[device] == 2;
+}
+
+// Host: launches `kernel` like <<<grid, block, shared_bytes, stream>>>, as a programmatic
+// dependent launch when `programmatic` and the GPU takes one (the kernel must then begin with
+// after_prior_grids). Under stream capture the attribute becomes a programmatic graph edge. A
+// launch error is left for cudaGetLastError, as <<<>>> leaves it.
+template <typename... KernelArgs, typename... Args>
+inline void launch_kernel(bool programmatic, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,
+                          cudaStream_t stream, Args... args) {
+  if (!programmatic || !programmatic_launch_supported()) {
+    kernel<<<grid, block, shared_bytes, stream>>>(args...);
+    return;
+  }
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, kernel, args...);
+}
+
 }  // namespace cookbook
