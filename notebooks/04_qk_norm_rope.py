@@ -423,6 +423,12 @@ for impl in cuda_versions:
 #   a mask; one `F2FP` per pair), computes the fused-order scale as `x * fma(w, rstd, rstd *
 #   offset)`, and reads and writes x with streaming global accesses (tables through the
 #   read-only path). Registers drop from 64 to 57 (NeoX) and 48 (interleaved).
+# * **v6** is v5's kernel launched as a *programmatic dependent launch* (a launch attribute,
+#   sm_90+): its CTAs may become resident while the previous kernel in the stream is still
+#   finishing, and their first instruction, `griddepcontrol.wait`, holds them until that kernel
+#   has completed and its writes are visible; then `griddepcontrol.launch_dependents` lets the
+#   next launch do the same. Nothing changes in the arithmetic or the registers; what goes is
+#   the gap between two kernels, which at decode sizes is a large part of a call.
 #
 # ## 8. What the compiler says: registers per kernel
 #
@@ -443,8 +449,10 @@ else:
     # From the mangled names, which read the same whatever demangler a machine has:
     # qk_norm_rope_v3_kernelI13__nv_bfloat16Li128ELb0E is v3<bf16, head_dim 128, fused>;
     # v1 has two kernels, qk_norm_rope_v1_norm_kernel and qk_norm_rope_v1_rope_kernel; v5 one per
-    # layout (its last flag: 1 NeoX, 0 interleaved).
-    name = re.compile(r"qk_norm_rope_v(\d+)_(norm_|rope_)?kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb([01])E(?:Lb([01])E)?")
+    # layout (its next flag: 1 NeoX, 0 interleaved); v6 is v5's kernel with its last flag set
+    # (launched programmatically).
+    name = re.compile(r"qk_norm_rope_v(\d+)_(norm_|rope_)?kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb([01])E(?:Lb([01])E)?"
+                      r"(?:Lb([01])E)?")
     print(f"{OP}.cuh compiled for {nvcc_report.DEFAULT_ARCH}: {len(kernels)} kernels; bf16:\n")
     table = []
     for k in kernels:
@@ -454,7 +462,8 @@ else:
         part = (m.group(2) or "").rstrip("_") or {"1": "NeoX", "0": "interleaved"}.get(m.group(5), "single")
         per_warp = -(-k.registers * 32 // REGISTER_ALLOC_UNIT) * REGISTER_ALLOC_UNIT
         warps = min(MAX_WARPS_PER_SM, REGISTERS_PER_SM // per_warp)
-        table.append((int(m.group(1)), part, int(m.group(3) or 0), "hf" if m.group(4) == "1" else "fused",
+        version = 6 if m.group(6) == "1" else int(m.group(1))
+        table.append((version, part, int(m.group(3) or 0), "hf" if m.group(4) == "1" else "fused",
                       k.registers, k.spill_bytes, warps))
     print("| version | kernel | head_dim | rounding | registers | spill bytes | warps/SM the registers allow |")
     print("|---|---|---|---|---|---|---|")
