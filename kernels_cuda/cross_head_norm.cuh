@@ -423,7 +423,7 @@ inline void launch_v4(const Params& p, cudaStream_t stream) {
   cross_head_norm_v4_kernel<T, kHfRounding, kStreaming><<<token_tensor_grid(p), kV4Threads, shared_bytes, stream>>>(p);
 }
 
-// The v6 launch: the block v3 gives the wider row; each tensor's rows take whole warps of it.
+// v6: the block v3 gives the wider row; each tensor's rows take whole warps of it.
 template <typename T, int kVecsPerThread, bool kHfRounding>
 inline void launch_v6_fixed(const Params& p, cudaStream_t stream) {
   constexpr int kVecElems = Vec<T>::kElems;
@@ -445,7 +445,7 @@ inline void launch_v6_fixed(const Params& p, cudaStream_t stream) {
       <<<static_cast<unsigned>(ctas[kQ] + ctas[kK]), threads, 0, stream>>>(p, s);
 }
 
-// Version 6 where v3's vector path holds the wider row (aligned, up to eight vectors per thread); v5's
+// v6 where v3's vector path holds the wider row (aligned, up to eight vectors per thread); v5's
 // dispatch otherwise (the bulk copy past that on sm_90, else v2).
 template <typename T, bool kHfRounding>
 inline void launch_v6(const Params& p, cudaStream_t stream) {
