@@ -13,7 +13,6 @@
 // v3: 16-byte vectors with the row held in registers, block size derived from the hidden size - removes v2's second read and narrow loads
 // v4: rows wider than v3's two-vector limit (8192 bf16 elements) staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there; narrower rows run v3 - removes v3's wide-row cost: 64 to 100 registers per thread and one or two CTAs per SM, with 16 bytes in flight per thread
 // v5: v4 with x read and written by streaming (evict-first) global accesses, and the bulk copy kept for rows beyond v3's eight-vector limit (32768 bf16 elements) - removes v4's default caching of bytes that are touched once, and its slower bulk-copy path for 8193- to 32768-wide rows
-// v6: the narrower tensor's CTAs normalize several of its rows each, one group of whole warps per row, so their threads hold rows instead of idling - removes v5's idle threads (and the warp slots they hold) in the k CTAs of GQA widths
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -270,75 +269,6 @@ __global__ void __launch_bounds__(kV4Threads) cross_head_norm_v4_kernel(Params p
 // vectors per thread), it beat the bulk copy at 32768-wide rows on the H200 (27.8 against
 // 30.7 us, 512 tokens), so v5 runs v3 up to its eight-vector limit and v4's kernel only beyond.
 // ------------------------------------------------------------------------------------------
-// v6: the narrower tensor's CTAs normalize several of its rows each, one group of whole warps per row, so their threads hold rows instead of idling - removes v5's idle threads (and the warp slots they hold) in the k CTAs of GQA widths
-// v3 sizes the block for the wider row, and every CTA holds one row: with q 6144 and k 1024 wide
-// (bf16, two vectors per thread) a k CTA keeps 64 of its 384 threads busy, and its idle warps
-// take slots an SM could give to q CTAs. Here a row of width h takes row_threads(h) = whole
-// warps holding its vectors at kVecsPerThread each, and a CTA of the narrower tensor normalizes
-// blockDim.x / row_threads(h) rows of consecutive tokens (6 k rows in that example). The grid is
-// 1-D: the q CTAs, then the k CTAs. Each row's warps reduce by shuffles and meet in shared
-// memory, summed in warp order. x is read and written by streaming accesses, as in v5. With equal
-// widths every CTA holds one row: v5's kernel with the 1-D grid.
-// ------------------------------------------------------------------------------------------
-struct V6Shape {
-  int q_ctas;                      // CTAs [0, q_ctas) normalize q rows, the rest k rows
-  int rows_per_cta[kNumTensors];   // consecutive tokens per CTA: 1 for the wider tensor
-  int row_threads[kNumTensors];    // threads per row: whole warps, at most blockDim.x
-};
-
-template <typename T, int kVecsPerThread, bool kHfRounding>
-__global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v6_kernel(Params p, V6Shape s) {
-  using Tr = V3Traits<T, kVecsPerThread>;
-  __shared__ float warp_sums[kV3MaxThreads / kWarpSize];
-  const bool is_q = static_cast<int>(blockIdx.x) < s.q_ctas;
-  const int tensor = is_q ? kQ : kK;
-  const int64_t cta = is_q ? blockIdx.x : blockIdx.x - s.q_ctas;
-  const int row_threads = s.row_threads[tensor];
-  const int row_in_cta = threadIdx.x / row_threads;
-  const int t = threadIdx.x % row_threads;  // this thread's place in its row
-  const int64_t token = cta * s.rows_per_cta[tensor] + row_in_cta;
-  const bool active = row_in_cta < s.rows_per_cta[tensor] && token < p.num_tokens;
-  const Row<T> r = locate_row<T>(p, active ? token : 0, tensor);
-  const int num_vecs = active ? r.hidden / Tr::kVecElems : 0;
-
-  Vec<T> x[kVecsPerThread];  // packed, as in v3
-  float sum_sq = 0.f;
-#pragma unroll
-  for (int i = 0; i < kVecsPerThread; ++i) {
-    const int vec = i * row_threads + t;
-    if (vec < num_vecs) {
-      x[i] = load_x<T, true>(r.x + vec * Tr::kVecElems);
-      float xf[Tr::kVecElems];
-      unpack<T>(x[i], xf);
-#pragma unroll
-      for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += xf[j] * xf[j];
-    }
-  }
-  // A row is whole warps, so each warp's sum belongs to one row; the row's warps meet in shared
-  // memory. Every thread reaches the barrier (no early exit above).
-  sum_sq = warp_sum(sum_sq);
-  if (threadIdx.x % kWarpSize == 0) warp_sums[threadIdx.x / kWarpSize] = sum_sq;
-  __syncthreads();
-  if (!active) return;
-  const int warps_per_row = row_threads / kWarpSize;
-  float row_sum = 0.f;
-  for (int w = 0; w < warps_per_row; ++w) row_sum += warp_sums[row_in_cta * warps_per_row + w];  // warp order
-  const float rstd = rstd_from(row_sum, static_cast<float>(r.hidden), p.eps);
-#pragma unroll
-  for (int i = 0; i < kVecsPerThread; ++i) {
-    const int vec = i * row_threads + t;
-    if (vec < num_vecs) {
-      float xf[Tr::kVecElems], w[Tr::kVecElems], y[Tr::kVecElems];
-      unpack<T>(x[i], xf);
-      load_weight_vec<T, kHfRounding>(r.w, r.w_is_fp32, vec * Tr::kVecElems, p.weight_offset, w);
-#pragma unroll
-      for (int j = 0; j < Tr::kVecElems; ++j) y[j] = normalized<T, kHfRounding>(xf[j], rstd, w[j]);
-      store_x<T, true>(r.x + vec * Tr::kVecElems, pack<T>(y));
-    }
-  }
-}
-
-// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 inline dim3 token_tensor_grid(const Params& p) {
@@ -423,42 +353,6 @@ inline void launch_v4(const Params& p, cudaStream_t stream) {
   cross_head_norm_v4_kernel<T, kHfRounding, kStreaming><<<token_tensor_grid(p), kV4Threads, shared_bytes, stream>>>(p);
 }
 
-// v6: the block v3 gives the wider row; each tensor's rows take whole warps of it.
-template <typename T, int kVecsPerThread, bool kHfRounding>
-inline void launch_v6_fixed(const Params& p, cudaStream_t stream) {
-  constexpr int kVecElems = Vec<T>::kElems;
-  const int hidden[kNumTensors] = {p.q_hidden, p.k_hidden};
-  V6Shape s{};
-  int threads = 0;
-  for (int tensor = 0; tensor < kNumTensors; ++tensor) {
-    const int needed = (hidden[tensor] / kVecElems + kVecsPerThread - 1) / kVecsPerThread;
-    s.row_threads[tensor] = (needed + kWarpSize - 1) / kWarpSize * kWarpSize;
-    threads = s.row_threads[tensor] > threads ? s.row_threads[tensor] : threads;
-  }
-  int64_t ctas[kNumTensors];
-  for (int tensor = 0; tensor < kNumTensors; ++tensor) {
-    s.rows_per_cta[tensor] = threads / s.row_threads[tensor];
-    ctas[tensor] = (p.num_tokens + s.rows_per_cta[tensor] - 1) / s.rows_per_cta[tensor];
-  }
-  s.q_ctas = static_cast<int>(ctas[kQ]);
-  cross_head_norm_v6_kernel<T, kVecsPerThread, kHfRounding>
-      <<<static_cast<unsigned>(ctas[kQ] + ctas[kK]), threads, 0, stream>>>(p, s);
-}
-
-// v6 where v3's vector path holds the wider row (aligned, up to eight vectors per thread); v5's
-// dispatch otherwise (the bulk copy past that on sm_90, else v2).
-template <typename T, bool kHfRounding>
-inline void launch_v6(const Params& p, cudaStream_t stream) {
-  const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
-  if (vector_aligned<T>(p)) {
-    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v6_fixed<T, 1, kHfRounding>(p, stream);
-    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v6_fixed<T, 2, kHfRounding>(p, stream);
-    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v6_fixed<T, 4, kHfRounding>(p, stream);
-    if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v6_fixed<T, 8, kHfRounding>(p, stream);
-  }
-  launch_v4<T, kHfRounding, true>(p, stream);
-}
-
 template <typename T, bool kHfRounding>
 inline void launch_version(const Params& p, int version, cudaStream_t stream) {
   switch (version) {
@@ -466,8 +360,7 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 2: return launch_v2<T, kHfRounding>(p, stream);
     case 3: return launch_v3<T, kHfRounding>(p, stream);
     case 4: return launch_v4<T, kHfRounding>(p, stream);
-    case 5: return launch_v4<T, kHfRounding, true>(p, stream);
-    default: return launch_v6<T, kHfRounding>(p, stream);
+    default: return launch_v4<T, kHfRounding, true>(p, stream);
   }
 }
 
@@ -480,7 +373,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 6;
+constexpr int kNumVersions = 5;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

@@ -263,11 +263,6 @@ for impl in cuda_versions:
 #   keeping its row packed made v3's 8-vector kernel faster than v4's bulk copy at the
 #   32768-wide row, so v5 runs v3's kernel up to 32768 bf16 elements and the bulk copy only
 #   beyond (24.9 us there, against 30.7 for v4 and 27.3 for `torch.compile`).
-# * **v6** stops the narrower tensor's CTAs from idling. v3's block is sized for the wider row, so
-#   at q 6144 / k 1024 a k CTA keeps 64 of its 384 threads busy while its idle warps hold slots
-#   an SM could give to q rows. In v6 a row takes just the whole warps its vectors need, and a
-#   CTA of the narrower tensor normalizes several consecutive tokens' rows (6 at that shape);
-#   each row's warps meet in shared memory. The grid is 1-D: q CTAs, then k CTAs.
 #
 # ## 7. What the compiler says: registers, and the occupancy they allow
 #
@@ -287,11 +282,11 @@ else:
     print(f"bf16 kernels, fused rounding, {nvcc_report.DEFAULT_ARCH}:\n")
     # From the mangled names, which read the same whatever demangler a machine has:
     # cross_head_norm_v3_kernelI13__nv_bfloat16Li8ELb0ELb1EE is v3<bf16, 8 vectors per thread,
-    # fused rounding, streaming x> (the instance v5 launches); v6's kernel always streams.
+    # fused rounding, streaming x> (the instance v5 launches).
     bf16_fused = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E(?:Lb([01])E)?")
-    found = sorted(((int(m.group(1)), int(m.group(2) or 0), m.group(3) == "1" or m.group(1) == "6"), k)
-                   for k in nvcc_report.compile_header(OP) if (m := bf16_fused.search(k.mangled)))
-    print("| kernel | vectors per thread | streaming x (v5, v6) | registers | spill bytes |")
+    found = sorted(((int(m.group(1)), int(m.group(2) or 0), m.group(3) == "1"), k) for k in nvcc_report.compile_header(OP)
+                   if (m := bf16_fused.search(k.mangled)))
+    print("| kernel | vectors per thread | streaming x (v5) | registers | spill bytes |")
     print("|---|---|---|---|---|")
     for (version, vecs, streaming), k in found:
         print(f"| v{version} | {vecs or '-'} | {'yes' if streaming else 'no'} | {k.registers} | {k.spill_bytes} |")

@@ -193,7 +193,6 @@ def cross_head_norm_launches(widest: int, elem_bytes: int = 2) -> dict[int, tupl
     # v5: streaming kernels; the bulk copy only past v3's eight-vector limit, v3 below it
     launches[5] = (_header_constant(header, "kV4Threads"), 0) if widest > v3_threads * v3_max_vecs * vec_elems \
         else launches[3]
-    launches[6] = launches[5]  # v6: v3's block for the wider row (its own kernel), v5's path beyond
     return launches
 
 
@@ -218,17 +217,15 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for widest in widths:
         for version, (threads, vecs) in cross_head_norm_launches(widest).items():
-            streaming = version == 5 or (version == 6 and not vecs)  # v6's kernel streams without the flag
-            kernel_version = 6 if version == 6 and vecs else 2 if version == 3 and vecs == 0 else \
-                3 if version >= 4 and vecs else min(version, 4)
+            streaming = version == 5
+            kernel_version = 2 if version == 3 and vecs == 0 else 3 if version >= 4 and vecs else min(version, 4)
             registers, smem = resources[(kernel_version, vecs, streaming)]
             if kernel_version == 4:
                 smem += widest * 2  # v4 stages the wider bf16 row in dynamic shared memory
             ctas, binding = theoretical_occupancy(registers, threads, smem)
             warps = ctas * (threads // WARP)
-            kernel = f"v{kernel_version if kernel_version == 6 else 3}, {vecs} vector{'s' if vecs > 1 else ''}/thread" \
-                if vecs else f"v{kernel_version}"
-            kernel += ", streaming" if streaming or kernel_version == 6 else ""
+            kernel = f"v3, {vecs} vector{'s' if vecs > 1 else ''}/thread" if vecs else f"v{kernel_version}"
+            kernel += ", streaming" if streaming else ""
             lines.append(f"| {widest} | v{version} | {kernel} | {threads} | {registers} | {smem} B | {ctas} ({binding}) "
                          f"| {warps} | {100 * warps / SM90_MAX_WARPS:.0f} % |")
     lines += ["", f"(ptxas for {nvcc_report.DEFAULT_ARCH}, bf16, fused rounding; theoretical occupancy = resident warps / "
