@@ -175,7 +175,7 @@ __device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T>& in) {
   __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&in));
 }
 
-// The row of an in-place op: streaming accesses in the kernels compiled with kStreaming (the v5s),
+// The row of an in-place op: streaming accesses in the kernels compiled with kStreaming (v5 on),
 // the default cached ones otherwise. One place for the choice, so a kernel body reads the same.
 template <typename T, bool kStreaming>
 __device__ __forceinline__ Vec<T> load_x(const T* p) {
