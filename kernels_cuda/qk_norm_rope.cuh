@@ -861,21 +861,23 @@ inline bool vector_path_ok(const Params& p, int version) {
   return rows_ok && (version < 4 || tables_ok);
 }
 
+// v5's kernel compiled for the call's layout; kProgrammatic (v6) launches it programmatically.
+template <typename T, int kHeadDim, bool kHfRounding, bool kProgrammatic>
+inline void launch_v5_layout(const Params& p, int64_t rows, cudaStream_t stream) {
+  if (p.is_neox) {
+    constexpr auto kKernel = qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, true, kProgrammatic>;
+    return launch_persistent_rows<T, kHeadDim, kKernel, kProgrammatic>(p, rows, stream);
+  }
+  constexpr auto kKernel = qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, false, kProgrammatic>;
+  launch_persistent_rows<T, kHeadDim, kKernel, kProgrammatic>(p, rows, stream);
+}
+
 template <typename T, int kHeadDim, bool kHfRounding>
 inline void launch_vector_path(const Params& p, int64_t rows, int version, cudaStream_t stream) {
   if (version == 3) return launch_v3_fixed<T, kHeadDim, kHfRounding>(p, stream);
   if (version == 4) return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v4_kernel<T, kHeadDim, kHfRounding>>(p, rows, stream);
-  if (version == 5) {
-    if (p.is_neox) {
-      return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, true>>(p, rows, stream);
-    }
-    return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, false>>(p, rows, stream);
-  }
-  if (p.is_neox) {
-    return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, true, true>, true>(
-        p, rows, stream);
-  }
-  launch_persistent_rows<T, kHeadDim, qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, false, true>, true>(p, rows, stream);
+  if (version == 5) return launch_v5_layout<T, kHeadDim, kHfRounding, false>(p, rows, stream);
+  launch_v5_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);  // v6: the same kernel, programmatic
 }
 
 // v3 to v6: the vector path where head_dim is specialized and the data aligned, else v2's
