@@ -103,6 +103,7 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _cuda("cross_head_norm", 3, "16-byte vectors with the row held in registers, block size derived from the hidden size - removes v2's second read and narrow loads"),
         _cuda("cross_head_norm", 4, "rows wider than v3's two-vector limit (8192 bf16 elements) staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there; narrower rows run v3 - removes v3's wide-row cost: 64 to 100 registers per thread and one or two CTAs per SM, with 16 bytes in flight per thread"),
         _cuda("cross_head_norm", 5, "v4 with x read and written by streaming (evict-first) global accesses, and the bulk copy kept for rows beyond v3's eight-vector limit (32768 bf16 elements) - removes v4's default caching of bytes that are touched once, and its slower bulk-copy path for 8193- to 32768-wide rows"),
+        _cuda("cross_head_norm", 6, "v5 as a programmatic dependent launch (as qk_norm v6): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call"),
         Impl("cross_head_norm", "torch_compile", "peer", 0, "cookbook.peers:cross_head_norm_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
     ],

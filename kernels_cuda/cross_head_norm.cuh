@@ -13,6 +13,7 @@
 // v3: 16-byte vectors with the row held in registers, block size derived from the hidden size - removes v2's second read and narrow loads
 // v4: rows wider than v3's two-vector limit (8192 bf16 elements) staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there; narrower rows run v3 - removes v3's wide-row cost: 64 to 100 registers per thread and one or two CTAs per SM, with 16 bytes in flight per thread
 // v5: v4 with x read and written by streaming (evict-first) global accesses, and the bulk copy kept for rows beyond v3's eight-vector limit (32768 bf16 elements) - removes v4's default caching of bytes that are touched once, and its slower bulk-copy path for 8193- to 32768-wide rows
+// v6: v5 as a programmatic dependent launch (as qk_norm v6): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -165,9 +166,11 @@ __device__ __forceinline__ void load_weight_vec(const void* w, bool w_is_fp32, i
 }
 
 // kStreaming (v5): x is read and written by streaming global accesses (load_vec_streaming).
-template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false>
+// kProgrammatic (v6): launched programmatically, so nothing is read before after_prior_grids.
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false>
 __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Params p) {
   using Tr = V3Traits<T, kVecsPerThread>;
+  if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
   const Row<T> r = locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
   const int num_vecs = r.hidden / Tr::kVecElems;  // the narrower tensor's CTAs leave threads idle
 
@@ -220,11 +223,13 @@ constexpr int kV4Threads = 256;
 static_assert(valid_block_size<kV4Threads>, "v4: whole warps, at most 1024 threads");
 
 // kStreaming (v5): the stores of x are streaming (the bulk copy already bypasses L1).
-template <typename T, bool kHfRounding, bool kStreaming = false>
+// kProgrammatic (v6): launched programmatically, so nothing is read before after_prior_grids.
+template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false>
 __global__ void __launch_bounds__(kV4Threads) cross_head_norm_v4_kernel(Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // the host launches v4 on sm_90 and later only
 #else
+  if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
   using Tr = V3Traits<T, 1>;
   extern __shared__ __align__(kVecBytes) unsigned char staged_bytes[];  // the row, launch-sized
   __shared__ __align__(8) uint64_t row_arrived;                         // mbarrier
@@ -269,6 +274,14 @@ __global__ void __launch_bounds__(kV4Threads) cross_head_norm_v4_kernel(Params p
 // vectors per thread), it beat the bulk copy at 32768-wide rows on the H200 (27.8 against
 // 30.7 us, 512 tokens), so v5 runs v3 up to its eight-vector limit and v4's kernel only beyond.
 // ------------------------------------------------------------------------------------------
+// v6: v5 as a programmatic dependent launch (as qk_norm v6): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
+// The kernels above with kProgrammatic, launched with the programmatic-stream-serialization
+// attribute (launch_kernel and after_prior_grids in include/common.cuh say how it stays correct).
+// One CTA per row means one wave per ~500 rows: at 2048 tokens x 8192 a call is about eight
+// waves, and the gap between one call's last wave and the next call's first is a few percent of
+// it. The v2 fallback (misaligned rows) stays a plain launch. Measured on the H200:
+// docs/cross_head_norm.md.
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 inline dim3 token_tensor_grid(const Params& p) {
@@ -285,11 +298,12 @@ inline void launch_v2(const Params& p, cudaStream_t stream) {
   cross_head_norm_v2_kernel<T, kHfRounding><<<token_tensor_grid(p), kV2Threads, 0, stream>>>(p);
 }
 
-template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming>
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming, bool kProgrammatic>
 inline void launch_v3_fixed(const Params& p, int widest_vecs, cudaStream_t stream) {
   const int threads_needed = (widest_vecs + kVecsPerThread - 1) / kVecsPerThread;
   const int threads = (threads_needed + kWarpSize - 1) / kWarpSize * kWarpSize;  // block_sum: whole warps
-  cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming><<<token_tensor_grid(p), threads, 0, stream>>>(p);
+  constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic>;
+  launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(threads), 0, stream, p);
 }
 
 // The 16-byte path needs every row and both weights to start on 16-byte boundaries.
@@ -303,15 +317,15 @@ inline bool vector_aligned(const Params& p) {
 
 // The fewest vectors per thread that fit the wider row in one CTA of at most kV3MaxThreads
 // threads; rows wider than kV3MaxVecsPerThread vectors per thread stream through v2.
-template <typename T, bool kHfRounding, bool kStreaming = false>
+template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false>
 inline void launch_v3(const Params& p, cudaStream_t stream) {
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   if (vector_aligned<T>(p)) {
     const int widest_vecs = widest / Vec<T>::kElems;
-    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding, kStreaming>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding, kStreaming>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding, kStreaming>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v3_fixed<T, 8, kHfRounding, kStreaming>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v3_fixed<T, 8, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
   }
   launch_v2<T, kHfRounding>(p, stream);  // general path: any even width, any alignment
 }
@@ -319,9 +333,9 @@ inline void launch_v3(const Params& p, cudaStream_t stream) {
 // v4's shared memory for the wider row, or 0 where v4 cannot run here: a GPU before sm_90 (no
 // bulk copies), rows v3's vector path would not take, or a row wider than the per-CTA shared
 // memory opt-in limit (227 KiB on H100/H200) minus the kernel's static shared memory.
-template <typename T, bool kHfRounding, bool kStreaming>
+template <typename T, bool kHfRounding, bool kStreaming, bool kProgrammatic>
 inline size_t v4_shared_bytes(const Params& p) {
-  constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding, kStreaming>;
+  constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding, kStreaming, kProgrammatic>;
   static size_t limit[kMaxDevices] = {};  // per device: 0 = not queried yet, 1 = no v4 here
   int device = 0;
   cudaGetDevice(&device);
@@ -344,13 +358,15 @@ inline size_t v4_shared_bytes(const Params& p) {
 
 // kStreaming: v5, streaming accesses to x in both kernels, and v3 for every row it holds in
 // registers (up to kV3MaxVecsPerThread vectors per thread) where v4 stops at two vectors.
-template <typename T, bool kHfRounding, bool kStreaming = false>
+// kProgrammatic: v6, v5's kernels launched programmatically.
+template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
   constexpr int kWidestForV3 = kStreaming ? V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden : V3Traits<T, 2>::kMaxHidden;
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
-  const size_t shared_bytes = widest > kWidestForV3 ? v4_shared_bytes<T, kHfRounding, kStreaming>(p) : 0;
-  if (shared_bytes == 0) return launch_v3<T, kHfRounding, kStreaming>(p, stream);
-  cross_head_norm_v4_kernel<T, kHfRounding, kStreaming><<<token_tensor_grid(p), kV4Threads, shared_bytes, stream>>>(p);
+  const size_t shared_bytes = widest > kWidestForV3 ? v4_shared_bytes<T, kHfRounding, kStreaming, kProgrammatic>(p) : 0;
+  if (shared_bytes == 0) return launch_v3<T, kHfRounding, kStreaming, kProgrammatic>(p, stream);
+  constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding, kStreaming, kProgrammatic>;
+  launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(kV4Threads), shared_bytes, stream, p);
 }
 
 template <typename T, bool kHfRounding>
@@ -360,7 +376,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 2: return launch_v2<T, kHfRounding>(p, stream);
     case 3: return launch_v3<T, kHfRounding>(p, stream);
     case 4: return launch_v4<T, kHfRounding>(p, stream);
-    default: return launch_v4<T, kHfRounding, true>(p, stream);
+    case 5: return launch_v4<T, kHfRounding, true>(p, stream);
+    default: return launch_v4<T, kHfRounding, true, true>(p, stream);
   }
 }
 
@@ -373,7 +390,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 5;
+constexpr int kNumVersions = 6;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

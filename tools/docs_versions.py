@@ -47,12 +47,13 @@ NAMED_KERNELS = {
 # Versions whose bf16 fused-rounding kernel the name pattern below cannot tell apart: version ->
 # that instantiation. qk_norm v4 to v6 are v3's kernel with a 32-bit row index (v5 streaming x,
 # v6 also a programmatic launch); cross_head_norm v5 is v4's dispatch with streaming kernels (v4's
-# bulk-copy kernel named); qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named).
+# bulk-copy kernel named), v6 the same launched programmatically; qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named).
 KERNEL_INSTANCES = {
     "qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, false, false>",
                 5: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, false>",
                 6: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true>"},
-    "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true>"},
+    "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, false>",
+                        6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>"},
     "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false>",
                      6: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true>"},
 }
@@ -205,11 +206,12 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
     contract = registry.contract(op)
     kernels = nvcc_report.compile_header(op)
     shared = ptxas_shared_bytes(op)
-    # <T, [vectors per thread,] fused rounding, [streaming]>
-    name = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E(?:Lb([01])E)?")
+    # <T, [vectors per thread,] fused rounding, [streaming, [programmatic]]>; v6's programmatic
+    # instances are v5's kernels with the same resources, left out
+    name = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E(?:Lb([01])E)?(?:Lb([01])E)?")
     resources = {}
     for k in kernels:
-        if m := name.search(k.mangled):
+        if (m := name.search(k.mangled)) and m.group(4) != "1":
             key = (int(m.group(1)), int(m.group(2) or 0), m.group(3) == "1")
             resources[key] = (k.registers, shared.get(k.mangled, 0))
     widths = sorted({max(q_hidden, k_hidden) for _, q_hidden, k_hidden in contract.BENCH_SHAPES})
