@@ -1,6 +1,10 @@
-"""Numba kernel of `qk_norm_rope` (v1): one warp per (token, head), norm then rope, one pass.
+"""Numba kernels of `qk_norm_rope`: one warp per (token, head), norm then rope, one pass.
 
-Mapping. grid.x: blocks of WARPS_PER_BLOCK warps; one warp per (token, head) row, numbered as
+v1 (`qk_norm_rope`, below) keeps the CUDA C v1-v3 mapping: lane l owns columns l, l + 32, ...
+and fetches each rotation partner from the lane that holds it. v2 (`qk_norm_rope_v2`) lets lanes
+own whole pairs instead (no partner shuffles, cos/sin read once per pair); see its factory.
+
+v1 mapping. grid.x: blocks of WARPS_PER_BLOCK warps; one warp per (token, head) row, numbered as
 in `kernels_numba.qk_norm` (q rows first, then k rows). Lane l owns the elements of slots
 j = 0, 1, ...: column c = l + 32 j (neighbouring lanes, neighbouring memory: coalesced).
 
@@ -155,15 +159,156 @@ def make_qk_norm_rope_kernel(act, weight, cache):
     return qk_norm_rope_kernel
 
 
+MIN_SLOT_HEAD_DIM = 2 * WARP_SIZE  # v2 sizes its registers for a head_dim bucket of at least one pair per lane
+
+
+def head_dim_bucket(head_dim):
+    """v2's build-time size for `head_dim`: the next power of two, at least MIN_SLOT_HEAD_DIM.
+    The common head dims (64 to 512) are their own bucket; others share the next one up, so a
+    handful of kernels cover every head_dim and each is compiled once."""
+    return max(MIN_SLOT_HEAD_DIM, 1 << (head_dim - 1).bit_length())
+
+
+@functools.cache
+def make_qk_norm_rope_kernel_v2(act, weight, cache, max_head_dim):
+    """v2: lanes own whole rotation pairs, as the CUDA C kernels from v2 on do.
+
+    Pair i = lane + 32 j (j < PAIR_SLOTS) is columns (i, i + rope_dim/2) (NeoX) or (2i, 2i + 1)
+    (interleaved); a lane reads both members and cos_i, sin_i once, so no shuffle fetches a
+    partner and each cos/sin element is read once per row, not once per member. Pass-through
+    column c = rope_dim + lane + 32 j (j < PASS_SLOTS) is read and normalized as in qk_norm.
+
+    The slot counts are fixed at build time from `max_head_dim` (a bucket, see head_dim_bucket):
+    every loop has a constant trip count, so the local arrays live in registers once unrolled;
+    slots past the row's head_dim or rope_dim are masked off, with head_dim, rope_dim and the
+    layout runtime values."""
+    PAIR_SLOTS = max_head_dim // (2 * WARP_SIZE)  # pairs a lane may own (full rope)
+    PASS_SLOTS = max_head_dim // WARP_SIZE  # pass-through columns a lane may own (rope_dim = 2)
+    load, store, round_to = act.decode, act.encode, act.round_to
+    load_w, load_c = weight.decode, cache.decode
+
+    @cuda.jit(device=True)
+    def pair_columns(i, half, is_neox):
+        """The two columns of rotation pair i."""
+        if is_neox:
+            return i, i + half
+        return 2 * i, 2 * i + 1
+
+    @cuda.jit(device=True)
+    def normed(v, w_elem, rstd, weight_offset, hf):
+        """n = x * rstd * (w + weight_offset): unrounded (fused) or in the HF order."""
+        w_eff = load_w(w_elem) + weight_offset
+        if hf:
+            return round_to(round_to(v * rstd) * round_to(w_eff))
+        return v * rstd * w_eff
+
+    @cuda.jit(device=True)
+    def rotated(own, partner, cos, signed_sin, hf):
+        """own * cos + partner * signed_sin: unrounded (fused) or each step rounded (HF order)."""
+        if hf:
+            return round_to(round_to(own * round_to(cos)) + round_to(partner * round_to(signed_sin)))
+        return own * cos + partner * signed_sin
+
+    @cuda.jit
+    def qk_norm_rope_kernel_v2(q, k, q_w, k_w, cos_sin_cache, positions, eps, weight_offset, hf, is_neox, rope_dim,
+                               position_offset):
+        warps_per_block = cuda.blockDim.x // WARP_SIZE
+        lane = cuda.threadIdx.x % WARP_SIZE
+        row = cuda.blockIdx.x * warps_per_block + cuda.threadIdx.x // WARP_SIZE
+        tokens, q_heads, head_dim = q.shape
+        k_heads = k.shape[1]
+        q_rows = tokens * q_heads
+        is_q = row < q_rows
+        is_k = not is_q and row < q_rows + tokens * k_heads
+        t = 0
+        x = q[0, 0]  # this warp's row; warps past the last row keep a dummy and store nothing
+        w = q_w
+        if is_q:
+            t = row // q_heads
+            x = q[t, row % q_heads]
+        elif is_k:
+            t = (row - q_rows) // k_heads
+            x = k[t, (row - q_rows) % k_heads]
+            w = k_w
+        active = is_q or is_k
+        half = rope_dim // 2
+
+        # This token's cache row, or -1 when out of range (then cos = sin = NaN).
+        cache_row = -1
+        if active:
+            p = np.int64(positions[t]) + position_offset
+            if 0 <= p < cos_sin_cache.shape[0]:
+                cache_row = p
+
+        # 1. Read: both members of each pair, its cos and sin, and the pass-through columns; every
+        #    load is issued before the reduction waits on any of them.
+        a = cuda.local.array(PAIR_SLOTS, np.float32)
+        b = cuda.local.array(PAIR_SLOTS, np.float32)
+        cos = cuda.local.array(PAIR_SLOTS, np.float32)
+        sin = cuda.local.array(PAIR_SLOTS, np.float32)
+        rest = cuda.local.array(PASS_SLOTS, np.float32)
+        sum_sq = np.float32(0.0)
+        for j in range(PAIR_SLOTS):
+            i = lane + j * WARP_SIZE
+            a[j] = b[j] = np.float32(0.0)
+            cos[j] = sin[j] = np.float32(math.nan)
+            if active and i < half:
+                col_a, col_b = pair_columns(i, half, is_neox)
+                a[j] = load(x[col_a])
+                b[j] = load(x[col_b])
+                if cache_row >= 0:
+                    cos[j] = load_c(cos_sin_cache[cache_row, i])
+                    sin[j] = load_c(cos_sin_cache[cache_row, half + i])
+            sum_sq += a[j] * a[j] + b[j] * b[j]
+        for j in range(PASS_SLOTS):
+            c = rope_dim + lane + j * WARP_SIZE
+            rest[j] = load(x[c]) if active and c < head_dim else np.float32(0.0)
+            sum_sq += rest[j] * rest[j]
+        sum_sq = warp_sum(sum_sq)  # every thread of the block gets here (no early return)
+        mean_sq_eps = sum_sq / np.float32(head_dim) + eps
+        rstd = rsqrt(mean_sq_eps) if mean_sq_eps > 0 else np.float32(0.0)
+
+        # 2. Normalize, rotate each pair in registers, write.
+        if active:
+            for j in range(PAIR_SLOTS):
+                i = lane + j * WARP_SIZE
+                if i < half:
+                    col_a, col_b = pair_columns(i, half, is_neox)
+                    na = normed(a[j], w[col_a], rstd, weight_offset, hf)
+                    nb = normed(b[j], w[col_b], rstd, weight_offset, hf)
+                    x[col_a] = store(rotated(na, nb, cos[j], -sin[j], hf))  # a' = a cos - b sin
+                    x[col_b] = store(rotated(nb, na, cos[j], sin[j], hf))  # b' = b cos + a sin
+            for j in range(PASS_SLOTS):
+                c = rope_dim + lane + j * WARP_SIZE
+                if c < head_dim:
+                    x[c] = store(normed(rest[j], w[c], rstd, weight_offset, hf))
+
+    return qk_norm_rope_kernel_v2
+
+
+def qk_norm_rope_v2(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox,
+                    rope_dim, position_offset):
+    """v2, in place on checked `[T, H, D]` tensors (one dtype and device); returns nothing."""
+    _launch(make_qk_norm_rope_kernel_v2, (head_dim_bucket(q.shape[2]),), q, k, q_weight, k_weight, cos_sin_cache,
+            positions, eps, weight_offset, rounding, is_neox, rope_dim, position_offset)
+
+
 def qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox, rope_dim,
                  position_offset):
-    """In place on checked `[T, H, D]` tensors (one dtype and device); returns nothing."""
+    """v1, in place on checked `[T, H, D]` tensors (one dtype and device); returns nothing."""
+    _launch(make_qk_norm_rope_kernel, (), q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset,
+            rounding, is_neox, rope_dim, position_offset)
+
+
+def _launch(factory, specialization, q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding,
+            is_neox, rope_dim, position_offset):
+    """One warp per (token, head) row, WARPS_PER_BLOCK rows per block."""
     rows = q.shape[0] * (q.shape[1] + k.shape[1])
     if rows == 0:
         return
     if q_weight.dtype != k_weight.dtype:  # one in the activation dtype, one float32: rare
         q_weight, k_weight = q_weight.float(), k_weight.float()
-    kernel = make_qk_norm_rope_kernel(CODEC_OF[q.dtype], CODEC_OF[q_weight.dtype], CODEC_OF[cos_sin_cache.dtype])
+    kernel = factory(CODEC_OF[q.dtype], CODEC_OF[q_weight.dtype], CODEC_OF[cos_sin_cache.dtype], *specialization)
     warps = min(WARPS_PER_BLOCK, rows)  # a tiny launch keeps its block small (and the simulator quick)
     blocks = -(-rows // warps)
     scalars = (np.float32(eps), np.float32(weight_offset), rounding == "hf", bool(is_neox), np.int64(rope_dim),
