@@ -14,7 +14,6 @@
 // v4: a 32-bit row -> (token, head) division where rows < 2^32 - removes most of v3's per-row index arithmetic
 // v5: x read and written by streaming (evict-first) global accesses, as qk_norm_rope v5 and cross_head_norm v5 do - removes v4's default caching of bytes that are touched once
 // v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
-// v7: v6 with each lane group loading two rows per loop trip before reducing either (where a row is one 16-byte vector per lane: head_dim up to 256 bf16) - removes v6's single load in flight per lane, which leaves DRAM latency rather than bandwidth setting the pace
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -125,9 +124,7 @@ __global__ void __launch_bounds__(kV2Threads) qk_norm_v2_kernel(Params p, int64_
 // blocks); blocks stride over rows, and since a lane always covers the same columns, its slice
 // of both weights is loaded once, before the loop.
 // ------------------------------------------------------------------------------------------
-// kVecsInFlight (v7): the 16-byte loads a lane issues before it waits on any of them; a lane
-// group then takes kRowsPerGroup rows per loop trip (1 for v3 to v6).
-template <typename T, int kHeadDim, int kVecsInFlight = 1>
+template <typename T, int kHeadDim>
 struct V3Traits {
   static constexpr int kVecElems = Vec<T>::kElems;                    // 4 fp32, 8 fp16/bf16
   static constexpr int kVecsPerHead = kHeadDim / kVecElems;
@@ -135,24 +132,21 @@ struct V3Traits {
   static constexpr int kVecsPerThread = kVecsPerHead / kThreadsPerHead;
   static constexpr int kElemsPerThread = kVecsPerThread * kVecElems;
   static constexpr int kThreadsPerBlock = 256;
-  static constexpr int kHeadsPerBlock = kThreadsPerBlock / kThreadsPerHead;  // lane groups per block
-  static constexpr int kRowsPerGroup = (kVecsInFlight + kVecsPerThread - 1) / kVecsPerThread;
-  static constexpr int kRowsPerBlock = kHeadsPerBlock * kRowsPerGroup;  // rows per block per loop trip
+  static constexpr int kHeadsPerBlock = kThreadsPerBlock / kThreadsPerHead;
 
   static_assert(kHeadDim % kVecElems == 0, "a head is a whole number of 16-byte vectors");
   static_assert(kVecsPerHead % kThreadsPerHead == 0, "every lane of a head holds as many vectors");
   static_assert(kWarpSize % kThreadsPerHead == 0, "heads tile a warp, so a shuffle group never spans two warps");
   static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
-  static_assert(kRowsPerGroup >= 1 && kRowsPerGroup * kVecsPerThread >= kVecsInFlight, "enough rows per group");
 };
 
 // v3 divides with RowIndex = int64_t; v4 (below) is this kernel with RowIndex = uint32_t, v5 with
-// RowIndex = uint32_t and kStreaming, v6 with kProgrammatic too, v7 with kVecsInFlight = 2 too.
+// RowIndex = uint32_t and kStreaming, v6 with kProgrammatic too.
 template <typename T, int kHeadDim, bool kHfRounding, typename RowIndex, bool kStreaming = false,
-          bool kProgrammatic = false, int kVecsInFlight = 1>
+          bool kProgrammatic = false>
 __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_v3_kernel(Params p, int64_t rows) {
-  using Tr = V3Traits<T, kHeadDim, kVecsInFlight>;
+  using Tr = V3Traits<T, kHeadDim>;
   if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
   const int lane = threadIdx.x % Tr::kThreadsPerHead;  // lane within its head group
   const int head_in_block = threadIdx.x / Tr::kThreadsPerHead;
@@ -173,52 +167,42 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
   }
 
   // `first` is uniform across the block, so every lane runs the same iterations and the group
-  // shuffles never miss a lane; rows past the end compute on zeros and store nothing. Per loop
-  // trip a group takes rows first + g * kHeadsPerBlock + head_in_block (g < kRowsPerGroup): for
-  // each g the block's groups cover neighbouring rows, so its loads stay contiguous.
-  const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kRowsPerBlock;
-  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kRowsPerBlock; first < rows; first += row_stride) {
-    Row<T> r[Tr::kRowsPerGroup];
-    bool active[Tr::kRowsPerGroup];
-    Vec<T> packed[Tr::kRowsPerGroup][Tr::kVecsPerThread];
-    // Every load of the trip is issued before any is used: kRowsPerGroup x kVecsPerThread in flight.
+  // shuffles never miss a lane; rows past the end compute on zeros and store nothing.
+  const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kHeadsPerBlock;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kHeadsPerBlock; first < rows; first += row_stride) {
+    const int64_t row = first + head_in_block;
+    const bool active = row < rows;
+    const Row<T> r = active ? locate_row<T, RowIndex>(p, static_cast<RowIndex>(row)) : Row<T>{nullptr, nullptr, false};
+
+    float x[Tr::kVecsPerThread][Tr::kVecElems];
 #pragma unroll
-    for (int g = 0; g < Tr::kRowsPerGroup; ++g) {
-      const int64_t row = first + g * Tr::kHeadsPerBlock + head_in_block;
-      active[g] = row < rows;
-      r[g] = active[g] ? locate_row<T, RowIndex>(p, static_cast<RowIndex>(row)) : Row<T>{nullptr, nullptr, false};
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+      Vec<T> v;
+      if (active) {
+        v = load_x<T, kStreaming>(r.x + column(i, 0));
+      } else {
 #pragma unroll
-      for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-        if (active[g]) {
-          packed[g][i] = load_x<T, kStreaming>(r[g].x + column(i, 0));
-        } else {
-#pragma unroll
-          for (int j = 0; j < Tr::kVecElems; ++j) packed[g][i].v[j] = from_float<T>(0.f);
-        }
+        for (int j = 0; j < Tr::kVecElems; ++j) v.v[j] = from_float<T>(0.f);
       }
+      unpack<T>(v, x[i]);
     }
+    float sum_sq = 0.f;
 #pragma unroll
-    for (int g = 0; g < Tr::kRowsPerGroup; ++g) {
-      float x[Tr::kVecsPerThread][Tr::kVecElems];
-      float sum_sq = 0.f;
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+#pragma unroll
+      for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += x[i][j] * x[i][j];
+    }
+    const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
+    if (active) {
 #pragma unroll
       for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-        unpack<T>(packed[g][i], x[i]);
+        float y[Tr::kVecElems];
 #pragma unroll
-        for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += x[i][j] * x[i][j];
-      }
-      const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
-      if (active[g]) {
-#pragma unroll
-        for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-          float y[Tr::kVecElems];
-#pragma unroll
-          for (int j = 0; j < Tr::kVecElems; ++j) {
-            const int e = i * Tr::kVecElems + j;
-            y[j] = normalized<T, kHfRounding>(x[i][j], rstd, r[g].is_q ? w_q[e] : w_k[e]);
-          }
-          store_x<T, kStreaming>(r[g].x + column(i, 0), pack<T>(y));
+        for (int j = 0; j < Tr::kVecElems; ++j) {
+          const int e = i * Tr::kVecElems + j;
+          y[j] = normalized<T, kHfRounding>(x[i][j], rstd, r.is_q ? w_q[e] : w_k[e]);
         }
+        store_x<T, kStreaming>(r.x + column(i, 0), pack<T>(y));
       }
     }
   }
@@ -243,19 +227,6 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // then a large part of the call, and this overlaps it with the previous kernel's tail when that
 // kernel lets it (the bench's previous call does). Measured on the H200: docs/qk_norm.md.
 // ------------------------------------------------------------------------------------------
-// v7: v6 with each lane group loading two rows per loop trip before reducing either (where a row is one 16-byte vector per lane: head_dim up to 256 bf16) - removes v6's single load in flight per lane, which leaves DRAM latency rather than bandwidth setting the pace
-// The same kernel again, with kVecsInFlight = kV7VecsInFlight. At head_dim 128 bf16 a v6 lane
-// holds one 16-byte vector per row and waits on it before the next row's load: an SM with 48
-// resident warps (40 registers) keeps 1536 x 16 B = 24 KiB in flight, about what Little's law
-// asks of one H200 SM (4.2 TB/s / 132 SMs x ~0.8 us of loaded DRAM latency = 25 KiB), so any
-// dip in residency or a longer latency shows as lost bandwidth. v7's lanes take two rows per
-// trip: twice the bytes in flight for a few more registers. Head dims of two or more vectors per
-// lane (512 and 1024 bf16, 256 and up fp32) already have that many in flight and run as v6.
-// Measured on the H200: docs/qk_norm.md.
-// ------------------------------------------------------------------------------------------
-constexpr int kV7VecsInFlight = 2;
-static_assert(kV7VecsInFlight >= 1, "at least one load per lane per trip");
-
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -271,19 +242,17 @@ inline void launch_v2(const Params& p, int64_t rows, cudaStream_t stream) {
 }
 
 // kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32; 5: v4 with streaming x;
-// 6: v5 as a programmatic dependent launch; 7: v6 with kV7VecsInFlight loads per lane per trip.
+// 6: v5 as a programmatic dependent launch.
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
     if (rows > static_cast<int64_t>(UINT32_MAX)) return launch_v3_fixed<T, kHeadDim, kHfRounding, 3>(p, rows, stream);
   }
-  constexpr int kVecsInFlight = kVersion >= 7 ? kV7VecsInFlight : 1;
-  using Tr = V3Traits<T, kHeadDim, kVecsInFlight>;
+  using Tr = V3Traits<T, kHeadDim>;
   using RowIndex = std::conditional_t<kVersion >= 4, uint32_t, int64_t>;
   constexpr bool kProgrammatic = kVersion >= 6;
-  constexpr auto kernel =
-      qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, (kVersion >= 5), kProgrammatic, kVecsInFlight>;
-  const int64_t needed = (rows + Tr::kRowsPerBlock - 1) / Tr::kRowsPerBlock;
+  constexpr auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, (kVersion >= 5), kProgrammatic>;
+  const int64_t needed = (rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock;
   const int64_t resident = persistent_grid_limit<kernel>(Tr::kThreadsPerBlock);
   const int64_t blocks = needed < resident ? needed : resident;
   launch_kernel(kProgrammatic, kernel, dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreadsPerBlock), 0, stream, p,
@@ -322,8 +291,7 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 3: return launch_v3<T, kHfRounding, 3>(p, rows, stream);
     case 4: return launch_v3<T, kHfRounding, 4>(p, rows, stream);
     case 5: return launch_v3<T, kHfRounding, 5>(p, rows, stream);
-    case 6: return launch_v3<T, kHfRounding, 6>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding, 7>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 6>(p, rows, stream);
   }
 }
 
@@ -336,7 +304,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 7;
+constexpr int kNumVersions = 6;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
