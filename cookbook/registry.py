@@ -91,7 +91,6 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _cuda("qk_norm", 4, "a 32-bit row -> (token, head) division where rows < 2^32 - removes most of v3's per-row index arithmetic"),
         _cuda("qk_norm", 5, "x read and written by streaming (evict-first) global accesses, as qk_norm_rope v5 and cross_head_norm v5 do - removes v4's default caching of bytes that are touched once"),
         _cuda("qk_norm", 6, "v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call"),
-        _cuda("qk_norm", 7, "v6 with a lane's first row requested before its weights (the loop rotated: each trip ends by loading the next trip's row) - removes v6's wait on the weight loads before its first row load, a second memory round trip on a decode call's critical path"),
         Impl("qk_norm", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
     ],

@@ -14,7 +14,6 @@
 // v4: a 32-bit row -> (token, head) division where rows < 2^32 - removes most of v3's per-row index arithmetic
 // v5: x read and written by streaming (evict-first) global accesses, as qk_norm_rope v5 and cross_head_norm v5 do - removes v4's default caching of bytes that are touched once
 // v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
-// v7: v6 with a lane's first row requested before its weights (the loop rotated: each trip ends by loading the next trip's row) - removes v6's wait on the weight loads before its first row load, a second memory round trip on a decode call's critical path
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -142,9 +141,9 @@ struct V3Traits {
 };
 
 // v3 divides with RowIndex = int64_t; v4 (below) is this kernel with RowIndex = uint32_t, v5 with
-// RowIndex = uint32_t and kStreaming, v6 with kProgrammatic too, v7 with kRowBeforeWeights too.
+// RowIndex = uint32_t and kStreaming, v6 with kProgrammatic too.
 template <typename T, int kHeadDim, bool kHfRounding, typename RowIndex, bool kStreaming = false,
-          bool kProgrammatic = false, bool kRowBeforeWeights = false>
+          bool kProgrammatic = false>
 __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_v3_kernel(Params p, int64_t rows) {
   using Tr = V3Traits<T, kHeadDim>;
@@ -155,30 +154,6 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
   // Column of element j of vector i of this lane: vectors interleave across the group's lanes
   // so that one load instruction of the group covers contiguous memory.
   auto column = [&](int i, int j) { return (i * Tr::kThreadsPerHead + lane) * Tr::kVecElems + j; };
-
-  // This lane's vectors of row first + head_in_block (zeros, and r.x null, past the last row).
-  Row<T> r;
-  Vec<T> packed[Tr::kVecsPerThread];
-  auto load_row = [&](int64_t first) {
-    const int64_t row = first + head_in_block;
-    const bool active = row < rows;
-    r = active ? locate_row<T, RowIndex>(p, static_cast<RowIndex>(row)) : Row<T>{nullptr, nullptr, false};
-#pragma unroll
-    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-      if (active) {
-        packed[i] = load_x<T, kStreaming>(r.x + column(i, 0));
-      } else {
-#pragma unroll
-        for (int j = 0; j < Tr::kVecElems; ++j) packed[i].v[j] = from_float<T>(0.f);
-      }
-    }
-  };
-
-  // `first` is uniform across the block, so every lane runs the same iterations and the group
-  // shuffles never miss a lane; rows past the end compute on zeros and store nothing.
-  const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kHeadsPerBlock;
-  int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kHeadsPerBlock;
-  if constexpr (kRowBeforeWeights) load_row(first);  // v7: in flight while the weights load
 
   float w_q[Tr::kElemsPerThread], w_k[Tr::kElemsPerThread];
 #pragma unroll
@@ -191,18 +166,34 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     }
   }
 
-  for (; first < rows; first += row_stride) {
-    if constexpr (!kRowBeforeWeights) load_row(first);
+  // `first` is uniform across the block, so every lane runs the same iterations and the group
+  // shuffles never miss a lane; rows past the end compute on zeros and store nothing.
+  const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kHeadsPerBlock;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kHeadsPerBlock; first < rows; first += row_stride) {
+    const int64_t row = first + head_in_block;
+    const bool active = row < rows;
+    const Row<T> r = active ? locate_row<T, RowIndex>(p, static_cast<RowIndex>(row)) : Row<T>{nullptr, nullptr, false};
+
     float x[Tr::kVecsPerThread][Tr::kVecElems];
+#pragma unroll
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+      Vec<T> v;
+      if (active) {
+        v = load_x<T, kStreaming>(r.x + column(i, 0));
+      } else {
+#pragma unroll
+        for (int j = 0; j < Tr::kVecElems; ++j) v.v[j] = from_float<T>(0.f);
+      }
+      unpack<T>(v, x[i]);
+    }
     float sum_sq = 0.f;
 #pragma unroll
     for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-      unpack<T>(packed[i], x[i]);
 #pragma unroll
       for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += x[i][j] * x[i][j];
     }
     const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
-    if (r.x != nullptr) {
+    if (active) {
 #pragma unroll
       for (int i = 0; i < Tr::kVecsPerThread; ++i) {
         float y[Tr::kVecElems];
@@ -214,7 +205,6 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
         store_x<T, kStreaming>(r.x + column(i, 0), pack<T>(y));
       }
     }
-    if constexpr (kRowBeforeWeights) load_row(first + row_stride);  // v7: the next trip's row
   }
 }
 
@@ -237,15 +227,6 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // then a large part of the call, and this overlaps it with the previous kernel's tail when that
 // kernel lets it (the bench's previous call does). Measured on the H200: docs/qk_norm.md.
 // ------------------------------------------------------------------------------------------
-// v7: v6 with a lane's first row requested before its weights (the loop rotated: each trip ends by loading the next trip's row) - removes v6's wait on the weight loads before its first row load, a second memory round trip on a decode call's critical path
-// The same kernel again, with kRowBeforeWeights. In v6 the weight loads come first, and each
-// weight is converted (and the offset added) as it arrives, so a lane waits a full memory round
-// trip for them before its first row load is even issued; the row load then takes another. At
-// one token a call is exactly one row per lane group, so those two trips in series are most of
-// it. v7 issues the first row's loads, then the weights', so the two trips overlap. The rest of
-// the loop is v6's: one row in flight per lane, the next row loaded at the end of each trip.
-// Measured on the H200: docs/qk_norm.md.
-// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -261,7 +242,7 @@ inline void launch_v2(const Params& p, int64_t rows, cudaStream_t stream) {
 }
 
 // kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32; 5: v4 with streaming x;
-// 6: v5 as a programmatic dependent launch; 7: v6 with the first row loaded before the weights.
+// 6: v5 as a programmatic dependent launch.
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
@@ -270,8 +251,7 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
   using Tr = V3Traits<T, kHeadDim>;
   using RowIndex = std::conditional_t<kVersion >= 4, uint32_t, int64_t>;
   constexpr bool kProgrammatic = kVersion >= 6;
-  constexpr auto kernel =
-      qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, (kVersion >= 5), kProgrammatic, (kVersion >= 7)>;
+  constexpr auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, (kVersion >= 5), kProgrammatic>;
   const int64_t needed = (rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock;
   const int64_t resident = persistent_grid_limit<kernel>(Tr::kThreadsPerBlock);
   const int64_t blocks = needed < resident ? needed : resident;
@@ -311,8 +291,7 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 3: return launch_v3<T, kHfRounding, 3>(p, rows, stream);
     case 4: return launch_v3<T, kHfRounding, 4>(p, rows, stream);
     case 5: return launch_v3<T, kHfRounding, 5>(p, rows, stream);
-    case 6: return launch_v3<T, kHfRounding, 6>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding, 7>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 6>(p, rows, stream);
   }
 }
 
@@ -325,7 +304,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 7;
+constexpr int kNumVersions = 6;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

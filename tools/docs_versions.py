@@ -45,16 +45,13 @@ NAMED_KERNELS = {
 
 
 # Versions whose bf16 fused-rounding kernel the name pattern below cannot tell apart: version ->
-# that instantiation. qk_norm v4 to v7 are v3's kernel with a 32-bit row index (v5 streaming x,
-# v6 also a programmatic launch, v7 also the first row loaded before the weights);
-# cross_head_norm v5 is v4's dispatch with streaming kernels (v4's bulk-copy kernel named), v6 the
-# same launched programmatically; qk_norm_rope v5 and v6 are compiled per layout (the NeoX one
-# named).
+# that instantiation. qk_norm v4 to v6 are v3's kernel with a 32-bit row index (v5 streaming x,
+# v6 also a programmatic launch); cross_head_norm v5 is v4's dispatch with streaming kernels (v4's
+# bulk-copy kernel named), v6 the same launched programmatically; qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named).
 KERNEL_INSTANCES = {
-    "qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, false, false, false>",
-                5: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, false, false>",
-                6: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, false>",
-                7: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, true>"},
+    "qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, false, false>",
+                5: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, false>",
+                6: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true>"},
     "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, false>",
                         6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>"},
     "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false>",
