@@ -286,6 +286,128 @@ def make_qk_norm_rope_kernel_v2(act, weight, cache, max_head_dim):
     return qk_norm_rope_kernel_v2
 
 
+V3_MAX_WARPS_PER_BLOCK = 8  # warps sharing one token's cos/sin row; each walks every 8th head
+
+
+@functools.cache
+def make_qk_norm_rope_kernel_v3(act, weight, cache, max_head_dim):
+    """v3: one block per token. Its threads read the token's cos/sin row once into shared memory,
+    then warp w normalizes and rotates heads w, w + warps, ... (q heads, then k heads) exactly as
+    v2's warps do, reading cos/sin from shared memory.
+
+    In v2 every warp loads its token's position, then (a second, dependent trip to memory) its
+    cos/sin, and works out (token, head) with 64-bit divisions. Here the position -> cos/sin
+    chain is paid once per token, the token is the block index and the head a loop counter."""
+    PAIR_SLOTS = max_head_dim // (2 * WARP_SIZE)
+    PASS_SLOTS = max_head_dim // WARP_SIZE
+    load, store, round_to = act.decode, act.encode, act.round_to
+    load_w, load_c = weight.decode, cache.decode
+
+    @cuda.jit(device=True)
+    def pair_columns(i, half, is_neox):
+        if is_neox:
+            return i, i + half
+        return 2 * i, 2 * i + 1
+
+    @cuda.jit(device=True)
+    def normed(v, w_elem, rstd, weight_offset, hf):
+        w_eff = load_w(w_elem) + weight_offset
+        if hf:
+            return round_to(round_to(v * rstd) * round_to(w_eff))
+        return v * rstd * w_eff
+
+    @cuda.jit(device=True)
+    def rotated(own, partner, cos, signed_sin, hf):
+        if hf:
+            return round_to(round_to(own * round_to(cos)) + round_to(partner * round_to(signed_sin)))
+        return own * cos + partner * signed_sin
+
+    @cuda.jit
+    def qk_norm_rope_kernel_v3(q, k, q_w, k_w, cos_sin_cache, positions, eps, weight_offset, hf, is_neox, rope_dim,
+                               position_offset):
+        t = cuda.blockIdx.x
+        warps = cuda.blockDim.x // WARP_SIZE
+        warp = cuda.threadIdx.x // WARP_SIZE
+        lane = cuda.threadIdx.x % WARP_SIZE
+        q_heads, head_dim = q.shape[1], q.shape[2]
+        heads = q_heads + k.shape[1]
+        half = rope_dim // 2
+
+        # 1. The token's cos/sin row, once, into shared memory (NaN when out of range).
+        cos_sin = cuda.shared.array(MAX_HEAD_DIM, np.float32)
+        p = np.int64(positions[t]) + position_offset
+        in_range = 0 <= p < cos_sin_cache.shape[0]
+        for i in range(cuda.threadIdx.x, rope_dim, cuda.blockDim.x):
+            cos_sin[i] = load_c(cos_sin_cache[p, i]) if in_range else np.float32(math.nan)
+        cuda.syncthreads()
+
+        # 2. Warp w takes heads w, w + warps, ...; every warp runs the same number of trips (the
+        #    simulator's warp_sum holds a block barrier), past the last head with active = False.
+        for first in range(0, heads, warps):
+            h = first + warp
+            active = h < heads
+            x = q[t, 0]
+            w = q_w
+            if active and h < q_heads:
+                x = q[t, h]
+            elif active:
+                x = k[t, h - q_heads]
+                w = k_w
+
+            a = cuda.local.array(PAIR_SLOTS, np.float32)
+            b = cuda.local.array(PAIR_SLOTS, np.float32)
+            rest = cuda.local.array(PASS_SLOTS, np.float32)
+            sum_sq = np.float32(0.0)
+            for j in range(PAIR_SLOTS):
+                i = lane + j * WARP_SIZE
+                a[j] = b[j] = np.float32(0.0)
+                if active and i < half:
+                    col_a, col_b = pair_columns(i, half, is_neox)
+                    a[j] = load(x[col_a])
+                    b[j] = load(x[col_b])
+                sum_sq += a[j] * a[j] + b[j] * b[j]
+            for j in range(PASS_SLOTS):
+                c = rope_dim + lane + j * WARP_SIZE
+                rest[j] = load(x[c]) if active and c < head_dim else np.float32(0.0)
+                sum_sq += rest[j] * rest[j]
+            sum_sq = warp_sum(sum_sq)
+            mean_sq_eps = sum_sq / np.float32(head_dim) + eps
+            rstd = rsqrt(mean_sq_eps) if mean_sq_eps > 0 else np.float32(0.0)
+
+            if active:
+                for j in range(PAIR_SLOTS):
+                    i = lane + j * WARP_SIZE
+                    if i < half:
+                        col_a, col_b = pair_columns(i, half, is_neox)
+                        na = normed(a[j], w[col_a], rstd, weight_offset, hf)
+                        nb = normed(b[j], w[col_b], rstd, weight_offset, hf)
+                        cos, sin = cos_sin[i], cos_sin[half + i]
+                        x[col_a] = store(rotated(na, nb, cos, -sin, hf))
+                        x[col_b] = store(rotated(nb, na, cos, sin, hf))
+                for j in range(PASS_SLOTS):
+                    c = rope_dim + lane + j * WARP_SIZE
+                    if c < head_dim:
+                        x[c] = store(normed(rest[j], w[c], rstd, weight_offset, hf))
+
+    return qk_norm_rope_kernel_v3
+
+
+def qk_norm_rope_v3(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox,
+                    rope_dim, position_offset):
+    """v3, in place on checked `[T, H, D]` tensors: one block per token."""
+    tokens, heads = q.shape[0], q.shape[1] + k.shape[1]
+    if tokens == 0:
+        return
+    if q_weight.dtype != k_weight.dtype:
+        q_weight, k_weight = q_weight.float(), k_weight.float()
+    kernel = make_qk_norm_rope_kernel_v3(CODEC_OF[q.dtype], CODEC_OF[q_weight.dtype], CODEC_OF[cos_sin_cache.dtype],
+                                         head_dim_bucket(q.shape[2]))
+    warps = min(V3_MAX_WARPS_PER_BLOCK, heads)
+    scalars = (np.float32(eps), np.float32(weight_offset), rounding == "hf", bool(is_neox), np.int64(rope_dim),
+               np.int64(position_offset))
+    launch(kernel, tokens, warps * WARP_SIZE, (q, k, q_weight, k_weight, cos_sin_cache, positions), scalars)
+
+
 def qk_norm_rope_v2(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox,
                     rope_dim, position_offset):
     """v2, in place on checked `[T, H, D]` tensors (one dtype and device); returns nothing."""
