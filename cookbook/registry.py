@@ -113,8 +113,6 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
              "one warp per (token, head): the row read once into registers, a shuffle sum of squares, the rope partner fetched from its lane by a warp shuffle, one write"),
         Impl("qk_norm_rope", "numba_v2", "numba", 2, "kernels_numba.qk_norm_rope:qk_norm_rope_v2",
              "lanes own whole rotation pairs (as cuda_v2 on): both members and one cos/sin read per pair, the slots sized at build time per head_dim bucket so the row stays in registers - removes v1's partner shuffles (four per slot, NeoX), its local-memory row array and its cos/sin read per member"),
-        Impl("qk_norm_rope", "numba_v3", "numba", 3, "kernels_numba.qk_norm_rope:qk_norm_rope_v3",
-             "one block per token: its cos/sin row read once into shared memory, its warps walking the token's heads - removes v2's per-warp position -> cos/sin round trips and its 64-bit (token, head) divisions"),
         _cuda("qk_norm_rope", 1, "the unfused pair engines started from: a warp-per-row norm kernel writes float32 rows, then a separate rope kernel rotates them (two launches, an extra round trip through memory)"),
         _cuda("qk_norm_rope", 2, "fused, one warp per (token, head): norm and rope in one launch, each lane owns whole (a, b) pairs so no partner exchange is needed - removes v1's second launch and round trip"),
         _cuda("qk_norm_rope", 3, "16-byte vectors held in registers, lanes sized to the head, the NeoX partner fetched by a warp shuffle, cos/sin read once per token and reused across its heads, persistent grid - removes v2's second read, narrow loads and per-head cache reads"),
