@@ -14,6 +14,7 @@
 // v4: rows wider than v3's two-vector limit (8192 bf16 elements) staged in shared memory by one bulk asynchronous copy (Hopper's TMA engine: one instruction, tracked by an mbarrier), then reduced and written from there; narrower rows run v3 - removes v3's wide-row cost: 64 to 100 registers per thread and one or two CTAs per SM, with 16 bytes in flight per thread
 // v5: v4 with x read and written by streaming (evict-first) global accesses, and the bulk copy kept for rows beyond v3's eight-vector limit (32768 bf16 elements) - removes v4's default caching of bytes that are touched once, and its slower bulk-copy path for 8193- to 32768-wide rows
 // v6: v5 as a programmatic dependent launch (as qk_norm v6): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
+// v7: v6 with, at batches whose rows fill every SM, four-warp CTAs holding up to eight vectors per thread (v3's rule, the fewest vectors per thread in CTAs of up to 512 threads, kept for smaller batches) - removes v6's 64 KiB in flight per SM at wide rows (four 512-thread CTAs of 16-32 bytes per thread) where the register file holds twice that
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -282,6 +283,23 @@ __global__ void __launch_bounds__(kV4Threads) cross_head_norm_v4_kernel(Params p
 // it. The v2 fallback (misaligned rows) stays a plain launch. Measured on the H200:
 // docs/cross_head_norm.md.
 // ------------------------------------------------------------------------------------------
+// v7: v6 with, at batches whose rows fill every SM, four-warp CTAs holding up to eight vectors per thread (v3's rule, the fewest vectors per thread in CTAs of up to 512 threads, kept for smaller batches) - removes v6's 64 KiB in flight per SM at wide rows (four 512-thread CTAs of 16-32 bytes per thread) where the register file holds twice that
+// v3's kernel again, launched as v6 is; only the vectors per thread change. v3 picks the fewest
+// vectors per thread that fit the wider row in 512 threads: at 8192 bf16 that is two (32 bytes in
+// flight per thread), four 32-register CTAs per SM, 64 KiB in flight. A thread that holds more
+// of the row issues more loads before the block sum waits on them: at four warps per CTA and
+// eight vectors per thread, eight 64-register CTAs fit an SM, 128 KiB in flight, and each block
+// sum waits on 4 warps instead of 16. That pays when every SM is kept full; when the rows do not
+// fill the GPU once (decode, a few hundred tokens), a call is one wave whose length is one
+// thread's serial loads and stores, so v3's shorter threads stay. Measured on the H200 with the
+// bench harness before it became a version (CTAs of 128, 256 and up to 512 threads at 1024 to
+// 8192 tokens): docs/cross_head_norm.md.
+// ------------------------------------------------------------------------------------------
+constexpr int kV7Warps = 4;  // per CTA where the rows fill the GPU
+constexpr int kV7Threads = kV7Warps * kWarpSize;
+static_assert(valid_block_size<kV7Threads> && kV7Threads <= kV3MaxThreads, "v7: whole warps within v3's bound");
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 inline dim3 token_tensor_grid(const Params& p) {
@@ -315,13 +333,34 @@ inline bool vector_aligned(const Params& p) {
          p.q_hidden % kVecElems == 0 && p.k_hidden % kVecElems == 0;
 }
 
+// For v7: launches v3's kernel at kVecsPerThread vectors per thread if the call's rows fill every
+// SM's resident CTAs of it at least once; returns whether it did.
+template <typename T, int kVecsPerThread, bool kHfRounding>
+inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStream_t stream) {
+  constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true>;
+  const int threads = ((widest_vecs + kVecsPerThread - 1) / kVecsPerThread + kWarpSize - 1) / kWarpSize * kWarpSize;
+  if (p.num_tokens * kNumTensors < persistent_grid_limit<kernel>(threads)) return false;
+  launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true>(p, widest_vecs, stream);
+  return true;
+}
+
 // The fewest vectors per thread that fit the wider row in one CTA of at most kV3MaxThreads
 // threads; rows wider than kV3MaxVecsPerThread vectors per thread stream through v2.
-template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false>
+// kFillGpu (v7): first, where the rows fill the GPU, the vectors per thread that fit the wider
+// row in kV7Threads threads (at most kV3MaxVecsPerThread).
+template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false>
 inline void launch_v3(const Params& p, cudaStream_t stream) {
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   if (vector_aligned<T>(p)) {
     const int widest_vecs = widest / Vec<T>::kElems;
+    if constexpr (kFillGpu) {
+      static_assert(kStreaming && kProgrammatic, "v7 builds on v6");
+      if (widest > V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden) return launch_v2<T, kHfRounding>(p, stream);
+      const int vecs = (widest_vecs + kV7Threads - 1) / kV7Threads;  // per thread, at kV7Threads threads
+      if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding>(p, widest_vecs, stream)) return;
+      if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding>(p, widest_vecs, stream)) return;
+      if (vecs > 4 && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding>(p, widest_vecs, stream)) return;
+    }
     if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
     if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
     if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
@@ -359,12 +398,13 @@ inline size_t v4_shared_bytes(const Params& p) {
 // kStreaming: v5, streaming accesses to x in both kernels, and v3 for every row it holds in
 // registers (up to kV3MaxVecsPerThread vectors per thread) where v4 stops at two vectors.
 // kProgrammatic: v6, v5's kernels launched programmatically.
-template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false>
+// kFillGpu: v7, v6 with v3's vectors per thread picked for the row count.
+template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
   constexpr int kWidestForV3 = kStreaming ? V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden : V3Traits<T, 2>::kMaxHidden;
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   const size_t shared_bytes = widest > kWidestForV3 ? v4_shared_bytes<T, kHfRounding, kStreaming, kProgrammatic>(p) : 0;
-  if (shared_bytes == 0) return launch_v3<T, kHfRounding, kStreaming, kProgrammatic>(p, stream);
+  if (shared_bytes == 0) return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu>(p, stream);
   constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding, kStreaming, kProgrammatic>;
   launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(kV4Threads), shared_bytes, stream, p);
 }
@@ -377,7 +417,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 3: return launch_v3<T, kHfRounding>(p, stream);
     case 4: return launch_v4<T, kHfRounding>(p, stream);
     case 5: return launch_v4<T, kHfRounding, true>(p, stream);
-    default: return launch_v4<T, kHfRounding, true, true>(p, stream);
+    case 6: return launch_v4<T, kHfRounding, true, true>(p, stream);
+    default: return launch_v4<T, kHfRounding, true, true, true>(p, stream);
   }
 }
 
@@ -390,7 +431,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 6;
+constexpr int kNumVersions = 7;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

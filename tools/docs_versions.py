@@ -46,14 +46,17 @@ NAMED_KERNELS = {
 
 # Versions whose bf16 fused-rounding kernel the name pattern below cannot tell apart: version ->
 # that instantiation. qk_norm v4 to v6 are v3's kernel with a 32-bit row index (v5 streaming x,
-# v6 also a programmatic launch); cross_head_norm v5 is v4's dispatch with streaming kernels (v4's
-# bulk-copy kernel named), v6 the same launched programmatically; qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named).
+# v6 also a programmatic launch); cross_head_norm v5 is v4's dispatch with streaming kernels
+# (v4's bulk-copy kernel named), v6 the same launched programmatically, v7 v6 with v3's kernel at
+# up to eight vectors per thread where the rows fill the GPU (the eight-vector kernel named);
+# qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named).
 KERNEL_INSTANCES = {
     "qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, false, false>",
                 5: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, false>",
                 6: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true>"},
     "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, false>",
-                        6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>"},
+                        6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>",
+                        7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true>"},
     "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false>",
                      6: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true>"},
 }
@@ -194,6 +197,13 @@ def cross_head_norm_launches(widest: int, elem_bytes: int = 2) -> dict[int, tupl
     # v5: streaming kernels; the bulk copy only past v3's eight-vector limit, v3 below it
     launches[5] = (_header_constant(header, "kV4Threads"), 0) if widest > v3_threads * v3_max_vecs * vec_elems \
         else launches[3]
+    # v7, where the rows fill the GPU: kV7Warps-warp CTAs, up to v3's eight vectors per thread
+    if widest <= v3_threads * v3_max_vecs * vec_elems:
+        v7_threads, widest_vecs = _header_constant(header, "kV7Warps") * WARP, widest // vec_elems
+        vecs = min(v3_max_vecs, 1 << max(0, (-(-widest_vecs // v7_threads) - 1).bit_length()))
+        launches[7] = (-(-(-(-widest_vecs // vecs)) // WARP) * WARP, vecs)
+    else:
+        launches[7] = launches[5]
     return launches
 
 
@@ -219,7 +229,7 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for widest in widths:
         for version, (threads, vecs) in cross_head_norm_launches(widest).items():
-            streaming = version == 5
+            streaming = version >= 5
             kernel_version = 2 if version == 3 and vecs == 0 else 3 if version >= 4 and vecs else min(version, 4)
             registers, smem = resources[(kernel_version, vecs, streaming)]
             if kernel_version == 4:
@@ -231,7 +241,8 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
             lines.append(f"| {widest} | v{version} | {kernel} | {threads} | {registers} | {smem} B | {ctas} ({binding}) "
                          f"| {warps} | {100 * warps / SM90_MAX_WARPS:.0f} % |")
     lines += ["", f"(ptxas for {nvcc_report.DEFAULT_ARCH}, bf16, fused rounding; theoretical occupancy = resident warps / "
-              f"{SM90_MAX_WARPS}, from registers, threads and shared memory per CTA as CUDA's occupancy calculator counts them.)"]
+              f"{SM90_MAX_WARPS}, from registers, threads and shared memory per CTA as CUDA's occupancy calculator counts them. "
+              "v6 launches v5's kernels; v7's rows are its pick where the call's rows fill the GPU, below that it launches v6's.)"]
     return "\n".join(lines)
 
 

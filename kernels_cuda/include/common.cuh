@@ -282,23 +282,26 @@ __device__ __forceinline__ T normalize(float x, float rstd, float w_eff) {
   return from_float<T>(normalized<T, kHfRounding>(x, rstd, w_eff));
 }
 
-// Host: a kernel's resident blocks per SM times the SMs: the size of a persistent grid. Cached
-// per device and per kernel: the kernel is a template argument, so every kernel instantiation
-// has its own cache (a cache per function-pointer *type* would be shared by every kernel of the
-// same signature, whatever their occupancy). The occupancy query is not free on a hot path.
+// Host: a kernel's resident blocks per SM times the SMs: the size of a persistent grid (and the
+// most CTAs of a grid that run at once). Cached per device, per kernel and per block size in
+// whole warps: the kernel is a template argument, so every kernel instantiation has its own
+// cache (a cache per function-pointer *type* would be shared by every kernel of the same
+// signature, whatever their occupancy). The occupancy query is not free on a hot path.
 constexpr int kMaxDevices = 64;
 
 template <auto kKernel>
 inline int persistent_grid_limit(int threads_per_block) {
-  static int cached[kMaxDevices] = {};
+  static int cached[kMaxDevices][kMaxWarpsPerBlock + 1] = {};
   int device = 0;
   cudaGetDevice(&device);
-  if (device < kMaxDevices && cached[device] > 0) return cached[device];
+  const int warps = (threads_per_block + kWarpSize - 1) / kWarpSize;
+  const bool cacheable = device < kMaxDevices && warps <= kMaxWarpsPerBlock;
+  if (cacheable && cached[device][warps] > 0) return cached[device][warps];
   int sms = 0, blocks_per_sm = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kKernel, threads_per_block, 0);
   const int limit = sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
-  if (device < kMaxDevices) cached[device] = limit;
+  if (cacheable) cached[device][warps] = limit;
   return limit;
 }
 
