@@ -263,6 +263,18 @@ for impl in cuda_versions:
 #   keeping its row packed made v3's 8-vector kernel faster than v4's bulk copy at the
 #   32768-wide row, so v5 runs v3's kernel up to 32768 bf16 elements and the bulk copy only
 #   beyond (24.9 us there, against 30.7 for v4 and 27.3 for `torch.compile`).
+# * **v6** is v5 launched as a *programmatic dependent launch* (as qk_norm v6): its CTAs become
+#   resident while the previous kernel drains and wait in hardware (`griddepcontrol.wait`) for
+#   its writes. Worth about half a microsecond a call: 2.19 -> 1.68 us at one token, 6.35 ->
+#   5.79 at 256 tokens.
+# * **v7** changes only v3's vectors per thread, and only where a call's rows fill every SM's
+#   resident CTAs at least once: four-warp CTAs holding up to eight vectors per thread (at 8192
+#   bf16: 128 threads x 8 vectors, 59 registers, eight CTAs and 128 KiB of loads in flight per
+#   SM, against v6's four 512-thread CTAs and 64 KiB). Below that a call is a single wave, whose
+#   length is one thread's serial loads and stores, and v6's shorter threads stay (128 threads x
+#   8 vectors took 2.87 us at one token, against 1.68). On the H200: 141.1 -> 138.3 us at 8192 x
+#   8192 and 35.3 -> 33.2 us at 4096 x 6144/1024, where v6 had been a hair behind
+#   `torch.compile`.
 #
 # ## 7. What the compiler says: registers, and the occupancy they allow
 #
@@ -281,15 +293,16 @@ if nvcc_report.nvcc() is None:
 else:
     print(f"bf16 kernels, fused rounding, {nvcc_report.DEFAULT_ARCH}:\n")
     # From the mangled names, which read the same whatever demangler a machine has:
-    # cross_head_norm_v3_kernelI13__nv_bfloat16Li8ELb0ELb1EE is v3<bf16, 8 vectors per thread,
-    # fused rounding, streaming x> (the instance v5 launches).
-    bf16_fused = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E(?:Lb([01])E)?")
-    found = sorted(((int(m.group(1)), int(m.group(2) or 0), m.group(3) == "1"), k) for k in nvcc_report.compile_header(OP)
-                   if (m := bf16_fused.search(k.mangled)))
-    print("| kernel | vectors per thread | streaming x (v5) | registers | spill bytes |")
-    print("|---|---|---|---|---|")
-    for (version, vecs, streaming), k in found:
-        print(f"| v{version} | {vecs or '-'} | {'yes' if streaming else 'no'} | {k.registers} | {k.spill_bytes} |")
+    # cross_head_norm_v3_kernelI13__nv_bfloat16Li8ELb0ELb1ELb1EE is v3<bf16, 8 vectors per
+    # thread, fused rounding, streaming x, programmatic launch> (an instance v6 and v7 launch).
+    bf16_fused = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E(?:Lb([01])E)?(?:Lb([01])E)?")
+    found = sorted(((int(m.group(1)), int(m.group(2) or 0), m.group(3) == "1", m.group(4) == "1"), k)
+                   for k in nvcc_report.compile_header(OP) if (m := bf16_fused.search(k.mangled)))
+    print("| kernel | vectors per thread | streaming x (v5) | programmatic (v6, v7) | registers | spill bytes |")
+    print("|---|---|---|---|---|---|")
+    for (version, vecs, streaming, programmatic), k in found:
+        print(f"| v{version} | {vecs or '-'} | {'yes' if streaming else 'no'} | {'yes' if programmatic else 'no'} "
+              f"| {k.registers} | {k.spill_bytes} |")
     print()
     print(docs_versions.occupancy_table(OP))
 
@@ -458,7 +471,9 @@ else:
 # as many CTAs), v3 ahead of both (one read, 16-byte loads), v4 equal to v3 up to 8192 and
 # behind it at the 32768-wide q row (its bulk copy into shared memory loses to v3's packed
 # 8-vector kernel there), and v5 (streaming accesses, v3's kernel up to 32768) a few per cent
-# ahead of both, 10 % at the widest row.
+# ahead of both, 10 % at the widest row. v6 takes about half a microsecond off every call (the
+# launch gap), and v7 pulls ahead where the batch fills the GPU many times over (8192 x 8192, the
+# GQA shape, 1024 x 4096).
 # The summary above the plot says, per shape, which implementation was fastest and how the
 # last version compares with eager PyTorch and `torch.compile`.
 #
