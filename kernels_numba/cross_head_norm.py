@@ -25,7 +25,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from kernels_numba.helpers import CODEC_OF, MAX_THREADS_PER_BLOCK, WARP_SIZE, block_sum, launch, rsqrt
+from kernels_numba.helpers import CODEC_OF, MAX_THREADS_PER_BLOCK, WARP_SIZE, block_sum, launch, rstd_from
 
 MAX_THREADS = 256  # threads per block for wide rows
 MIN_ELEMS_PER_THREAD = 4  # narrow rows get fewer threads, each with at least this many elements
@@ -66,16 +66,6 @@ def make_write_row(act, weight):
                 x[t, d] = store(normed * w_eff)
 
     return write_row
-
-
-@cuda.jit(device=True)
-def rstd_from(sum_sq, width, eps):
-    """rsqrt(sum_sq / width + eps), or 0 where that is 0 (eps=0 zero rows stay 0, not NaN)."""
-    mean_sq_eps = sum_sq / width + eps
-    rstd = np.float32(0.0)
-    if mean_sq_eps > 0:
-        rstd = rsqrt(mean_sq_eps)
-    return rstd
 
 
 @functools.cache

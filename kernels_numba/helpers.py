@@ -1,7 +1,9 @@
 """Shared device helpers for the Numba kernels: the Numba twin of `kernels_cuda/include/`.
 
 * `warp_sum(v)`: the sum of `v` over the 32 lanes of a warp, returned to every lane.
-* `rsqrt(v)`: 1 / sqrt(v) in float32, computed as torch.rsqrt computes it on the same device.
+* `rsqrt(v)`: 1 / sqrt(v) in float32, computed as torch.rsqrt computes it on the same device;
+  `rstd_from(sum_sq, width, eps)` builds the norm's scale on it.
+* `warp_row(q, k)`: which (token, head) row a warp owns in the one-warp-per-row kernels.
 * Storage codecs (`FP32`, `FP16`, `BF16`): how a kernel reads an element as float32 and writes a
   float32 back rounded to the storage dtype, so one kernel source serves every dtype.
 
@@ -170,6 +172,33 @@ def _rsqrt_sim(v):
 # rsqrt(v): float32 1 / sqrt(v). Matching torch on the same device matters for rounding="hf":
 # one float32 ulp of rstd can move the rounded intermediate by a bf16/fp16 ulp.
 rsqrt = _rsqrt_sim if SIMULATOR else _rsqrt_gpu
+
+
+@cuda.jit(device=True)
+def rstd_from(sum_sq, width, eps):
+    """rsqrt(sum_sq / width + eps), or 0 where that is 0 (eps=0 zero rows stay 0, not NaN)."""
+    mean_sq_eps = sum_sq / width + eps
+    rstd = np.float32(0.0)
+    if mean_sq_eps > 0:
+        rstd = rsqrt(mean_sq_eps)
+    return rstd
+
+
+# --------------------------------------------------------------------------------------------
+# warp_row: the (token, head) row of a warp, for the one-warp-per-row kernels
+# --------------------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def warp_row(q, k):
+    """(lane, row, q_rows, is_q, is_k) of this thread: one warp per (token, head) row of q
+    `[T, Hq, D]` and k `[T, Hk, D]`, q rows first (row r < T*Hq is token r // Hq, head r % Hq),
+    then k rows (r - T*Hq, the same with Hk). Warps past the last row get is_q = is_k = False
+    (kernels keep them running: every lane must reach the warp-wide calls)."""
+    lane = cuda.threadIdx.x % WARP_SIZE
+    row = cuda.blockIdx.x * (cuda.blockDim.x // WARP_SIZE) + cuda.threadIdx.x // WARP_SIZE
+    q_rows = q.shape[0] * q.shape[1]
+    is_q = row < q_rows
+    is_k = not is_q and row < q_rows + k.shape[0] * k.shape[1]
+    return lane, row, q_rows, is_q, is_k
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from kernels_numba.helpers import CODEC_OF, MAX_THREADS_PER_BLOCK, WARP_SIZE, launch, rsqrt, warp_sum
+from kernels_numba.helpers import CODEC_OF, MAX_THREADS_PER_BLOCK, WARP_SIZE, launch, rstd_from, warp_row, warp_sum
 
 WARPS_PER_BLOCK = 4  # rows per block
 THREADS = WARP_SIZE * WARPS_PER_BLOCK
@@ -64,14 +64,9 @@ def make_qk_norm_kernel(act, weight):
 
     @cuda.jit
     def qk_norm_kernel(q, k, q_w, k_w, eps, weight_offset, hf):
-        warps_per_block = cuda.blockDim.x // WARP_SIZE
-        lane = cuda.threadIdx.x % WARP_SIZE
-        row = cuda.blockIdx.x * warps_per_block + cuda.threadIdx.x // WARP_SIZE
-        tokens, q_heads, head_dim = q.shape
+        lane, row, q_rows, is_q, is_k = warp_row(q, k)
+        q_heads, head_dim = q.shape[1], q.shape[2]
         k_heads = k.shape[1]
-        q_rows = tokens * q_heads
-        is_q = row < q_rows
-        is_k = not is_q and row < q_rows + tokens * k_heads
         t = h = 0  # this warp's (token, head), found once: integer division is slow on a GPU
         if is_q:
             t, h = row // q_heads, row % q_heads
@@ -84,12 +79,7 @@ def make_qk_norm_kernel(act, weight):
             sum_sq = row_sum_sq(q[t, h], lane)
         elif is_k:
             sum_sq = row_sum_sq(k[t, h], lane)
-        sum_sq = warp_sum(sum_sq)
-
-        mean_sq_eps = sum_sq / np.float32(head_dim) + eps
-        rstd = np.float32(0.0)
-        if mean_sq_eps > 0:
-            rstd = rsqrt(mean_sq_eps)
+        rstd = rstd_from(warp_sum(sum_sq), np.float32(head_dim), eps)
 
         if is_q:
             write_row(q[t, h], q_w, lane, rstd, weight_offset, hf)
@@ -111,14 +101,8 @@ def make_qk_norm_kernel_v2(act, weight, head_dim):
 
     @cuda.jit
     def qk_norm_kernel_v2(q, k, q_w, k_w, eps, weight_offset, hf):
-        warps_per_block = cuda.blockDim.x // WARP_SIZE
-        lane = cuda.threadIdx.x % WARP_SIZE
-        row = cuda.blockIdx.x * warps_per_block + cuda.threadIdx.x // WARP_SIZE
-        tokens, q_heads = q.shape[0], q.shape[1]
-        k_heads = k.shape[1]
-        q_rows = tokens * q_heads
-        is_q = row < q_rows
-        is_k = not is_q and row < q_rows + tokens * k_heads
+        lane, row, q_rows, is_q, is_k = warp_row(q, k)
+        q_heads, k_heads = q.shape[1], k.shape[1]
         x = q[0, 0]  # this warp's row; warps past the last row keep a dummy and store nothing
         w = q_w
         if is_q:
@@ -133,10 +117,7 @@ def make_qk_norm_kernel_v2(act, weight, head_dim):
         for i in range(ELEMS):
             xs[i] = load(x[lane + i * WARP_SIZE]) if active else np.float32(0.0)
             sum_sq += xs[i] * xs[i]
-        sum_sq = warp_sum(sum_sq)  # every thread of the block gets here (no early return)
-
-        mean_sq_eps = sum_sq / np.float32(head_dim) + eps
-        rstd = rsqrt(mean_sq_eps) if mean_sq_eps > 0 else np.float32(0.0)
+        rstd = rstd_from(warp_sum(sum_sq), np.float32(head_dim), eps)  # every thread gets here (no early return)
         if active:
             for i in range(ELEMS):
                 d = lane + i * WARP_SIZE

@@ -34,7 +34,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from kernels_numba.helpers import CODEC_OF, MAX_THREADS_PER_BLOCK, WARP_SIZE, launch, rsqrt, warp_shfl, warp_sum
+from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, WARP_SIZE, launch, rstd_from, warp_row, warp_shfl,
+                                   warp_sum)
 
 WARPS_PER_BLOCK = 4  # rows per block
 THREADS = WARP_SIZE * WARPS_PER_BLOCK
@@ -81,14 +82,9 @@ def make_qk_norm_rope_kernel(act, weight, cache):
     @cuda.jit
     def qk_norm_rope_kernel(q, k, q_w, k_w, cos_sin_cache, positions, eps, weight_offset, hf, is_neox, rope_dim,
                             position_offset):
-        warps_per_block = cuda.blockDim.x // WARP_SIZE
-        lane = cuda.threadIdx.x % WARP_SIZE
-        row = cuda.blockIdx.x * warps_per_block + cuda.threadIdx.x // WARP_SIZE
-        tokens, q_heads, head_dim = q.shape
+        lane, row, q_rows, is_q, is_k = warp_row(q, k)
+        q_heads, head_dim = q.shape[1], q.shape[2]
         k_heads = k.shape[1]
-        q_rows = tokens * q_heads
-        is_q = row < q_rows
-        is_k = not is_q and row < q_rows + tokens * k_heads
         k_row = row - q_rows
         t = row // q_heads if is_q else k_row // k_heads
 
@@ -99,11 +95,7 @@ def make_qk_norm_rope_kernel(act, weight, cache):
             sum_sq = read_row(q, t, row % q_heads, lane, n)
         elif is_k:
             sum_sq = read_row(k, t, k_row % k_heads, lane, n)
-        sum_sq = warp_sum(sum_sq)
-        mean_sq_eps = sum_sq / np.float32(head_dim) + eps
-        rstd = np.float32(0.0)
-        if mean_sq_eps > 0:
-            rstd = rsqrt(mean_sq_eps)
+        rstd = rstd_from(warp_sum(sum_sq), np.float32(head_dim), eps)
         if is_q:
             normalize_row(n, q_w, lane, head_dim, rstd, weight_offset, hf)
         elif is_k:
@@ -212,14 +204,9 @@ def make_qk_norm_rope_kernel_v2(act, weight, cache, max_head_dim):
     @cuda.jit
     def qk_norm_rope_kernel_v2(q, k, q_w, k_w, cos_sin_cache, positions, eps, weight_offset, hf, is_neox, rope_dim,
                                position_offset):
-        warps_per_block = cuda.blockDim.x // WARP_SIZE
-        lane = cuda.threadIdx.x % WARP_SIZE
-        row = cuda.blockIdx.x * warps_per_block + cuda.threadIdx.x // WARP_SIZE
-        tokens, q_heads, head_dim = q.shape
+        lane, row, q_rows, is_q, is_k = warp_row(q, k)
+        q_heads, head_dim = q.shape[1], q.shape[2]
         k_heads = k.shape[1]
-        q_rows = tokens * q_heads
-        is_q = row < q_rows
-        is_k = not is_q and row < q_rows + tokens * k_heads
         t = 0
         x = q[0, 0]  # this warp's row; warps past the last row keep a dummy and store nothing
         w = q_w
@@ -264,9 +251,7 @@ def make_qk_norm_rope_kernel_v2(act, weight, cache, max_head_dim):
             c = rope_dim + lane + j * WARP_SIZE
             rest[j] = load(x[c]) if active and c < head_dim else np.float32(0.0)
             sum_sq += rest[j] * rest[j]
-        sum_sq = warp_sum(sum_sq)  # every thread of the block gets here (no early return)
-        mean_sq_eps = sum_sq / np.float32(head_dim) + eps
-        rstd = rsqrt(mean_sq_eps) if mean_sq_eps > 0 else np.float32(0.0)
+        rstd = rstd_from(warp_sum(sum_sq), np.float32(head_dim), eps)  # every thread gets here (no early return)
 
         # 2. Normalize, rotate each pair in registers, write.
         if active:

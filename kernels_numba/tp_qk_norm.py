@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from numba import cuda
 
-from kernels_numba.cross_head_norm import NUM_TENSORS, make_row_sum_sq, make_write_row, rstd_from, threads_for
-from kernels_numba.helpers import CODEC_OF, block_sum, launch
+from kernels_numba.cross_head_norm import NUM_TENSORS, make_row_sum_sq, make_write_row, threads_for
+from kernels_numba.helpers import CODEC_OF, block_sum, launch, rstd_from
 
 
 @functools.cache
