@@ -316,12 +316,18 @@ inline void launch_v2(const Params& p, cudaStream_t stream) {
   cross_head_norm_v2_kernel<T, kHfRounding><<<token_tensor_grid(p), kV2Threads, 0, stream>>>(p);
 }
 
+// v3's block: enough threads for the wider row at `vecs_per_thread` vectors each, whole warps
+// (block_sum needs them).
+inline int v3_threads(int widest_vecs, int vecs_per_thread) {
+  const int threads_needed = (widest_vecs + vecs_per_thread - 1) / vecs_per_thread;
+  return (threads_needed + kWarpSize - 1) / kWarpSize * kWarpSize;
+}
+
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming, bool kProgrammatic>
 inline void launch_v3_fixed(const Params& p, int widest_vecs, cudaStream_t stream) {
-  const int threads_needed = (widest_vecs + kVecsPerThread - 1) / kVecsPerThread;
-  const int threads = (threads_needed + kWarpSize - 1) / kWarpSize * kWarpSize;  // block_sum: whole warps
   constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic>;
-  launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(threads), 0, stream, p);
+  launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(v3_threads(widest_vecs, kVecsPerThread)), 0, stream,
+                p);
 }
 
 // The 16-byte path needs every row and both weights to start on 16-byte boundaries.
@@ -338,8 +344,7 @@ inline bool vector_aligned(const Params& p) {
 template <typename T, int kVecsPerThread, bool kHfRounding>
 inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStream_t stream) {
   constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true>;
-  const int threads = ((widest_vecs + kVecsPerThread - 1) / kVecsPerThread + kWarpSize - 1) / kWarpSize * kWarpSize;
-  if (p.num_tokens * kNumTensors < persistent_grid_limit<kernel>(threads)) return false;
+  if (p.num_tokens * kNumTensors < persistent_grid_limit<kernel>(v3_threads(widest_vecs, kVecsPerThread))) return false;
   launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true>(p, widest_vecs, stream);
   return true;
 }
@@ -355,11 +360,13 @@ inline void launch_v3(const Params& p, cudaStream_t stream) {
     const int widest_vecs = widest / Vec<T>::kElems;
     if constexpr (kFillGpu) {
       static_assert(kStreaming && kProgrammatic, "v7 builds on v6");
-      if (widest > V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden) return launch_v2<T, kHfRounding>(p, stream);
       const int vecs = (widest_vecs + kV7Threads - 1) / kV7Threads;  // per thread, at kV7Threads threads
+      const bool fits = widest <= V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden;  // else v2, below
       if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding>(p, widest_vecs, stream)) return;
       if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding>(p, widest_vecs, stream)) return;
-      if (vecs > 4 && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding>(p, widest_vecs, stream)) return;
+      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding>(p, widest_vecs, stream)) {
+        return;
+      }
     }
     if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
     if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);

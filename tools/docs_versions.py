@@ -200,8 +200,10 @@ def cross_head_norm_launches(widest: int, elem_bytes: int = 2) -> dict[int, tupl
     # v7, where the rows fill the GPU: kV7Warps-warp CTAs, up to v3's eight vectors per thread
     if widest <= v3_threads * v3_max_vecs * vec_elems:
         v7_threads, widest_vecs = _header_constant(header, "kV7Warps") * WARP, widest // vec_elems
-        vecs = min(v3_max_vecs, 1 << max(0, (-(-widest_vecs // v7_threads) - 1).bit_length()))
-        launches[7] = (-(-(-(-widest_vecs // vecs)) // WARP) * WARP, vecs)
+        vecs_needed = -(-widest_vecs // v7_threads)  # at v7_threads threads, rounded up to 1, 2, 4 or 8
+        vecs = min(v3_max_vecs, 1 << max(0, (vecs_needed - 1).bit_length()))
+        threads = -(-widest_vecs // vecs)
+        launches[7] = (-(-threads // WARP) * WARP, vecs)
     else:
         launches[7] = launches[5]
     return launches
