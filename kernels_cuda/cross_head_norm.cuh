@@ -15,6 +15,7 @@
 // v5: v4 with x read and written by streaming (evict-first) global accesses, and the bulk copy kept for rows beyond v3's eight-vector limit (32768 bf16 elements) - removes v4's default caching of bytes that are touched once, and its slower bulk-copy path for 8193- to 32768-wide rows
 // v6: v5 as a programmatic dependent launch (as qk_norm v6): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 // v7: v6 with, at batches whose rows fill every SM, four-warp CTAs holding up to eight vectors per thread (v3's rule, the fewest vectors per thread in CTAs of up to 512 threads, kept for smaller batches) - removes v6's 64 KiB in flight per SM at wide rows (four 512-thread CTAs of 16-32 bytes per thread) where the register file holds twice that
+// v8: v7 with, at narrow rows (up to 256 vectors, 2048 bf16 elements) and many tokens, one warp per token: q's row then k's, four tokens per CTA, no block barrier - removes v7's two small CTAs per token there (tensor-parallel shards, small models), whose dispatch, not their bytes, set the time
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -166,42 +167,59 @@ __device__ __forceinline__ void load_weight_vec(const void* w, bool w_is_fp32, i
   for (int j = 0; j < Tr::kVecElems; ++j) w_eff[j] = effective_weight<T, kHfRounding>(w_eff[j], weight_offset);
 }
 
+// One thread's share of a row held in registers: vectors first, first + stride, ... (kVecs slots;
+// those past the row's end stay unused, so the narrower tensor leaves threads idle). v3 strides by
+// the block, v8 by the warp. Returns the thread's sum of squares.
+template <typename T, int kVecs, bool kStreaming>
+__device__ __forceinline__ float load_row_vectors(const Row<T>& r, int first, int stride, Vec<T> (&x)[kVecs]) {
+  constexpr int kVecElems = Vec<T>::kElems;
+  const int num_vecs = r.hidden / kVecElems;
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int vec = first + i * stride;
+    if (vec < num_vecs) {
+      x[i] = load_x<T, kStreaming>(r.x + vec * kVecElems);
+      float xf[kVecElems];
+      unpack<T>(x[i], xf);
+#pragma unroll
+      for (int j = 0; j < kVecElems; ++j) sum_sq += xf[j] * xf[j];
+    }
+  }
+  return sum_sq;
+}
+
+// The same vectors normalized with the row's rstd and weight, written back in place.
+template <typename T, int kVecs, bool kHfRounding, bool kStreaming>
+__device__ __forceinline__ void store_row_vectors(const Row<T>& r, int first, int stride, const Vec<T> (&x)[kVecs],
+                                                  float rstd, float weight_offset) {
+  constexpr int kVecElems = Vec<T>::kElems;
+  const int num_vecs = r.hidden / kVecElems;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int vec = first + i * stride;
+    if (vec < num_vecs) {
+      float xf[kVecElems], w[kVecElems], y[kVecElems];
+      unpack<T>(x[i], xf);
+      load_weight_vec<T, kHfRounding>(r.w, r.w_is_fp32, vec * kVecElems, weight_offset, w);
+#pragma unroll
+      for (int j = 0; j < kVecElems; ++j) y[j] = normalized<T, kHfRounding>(xf[j], rstd, w[j]);
+      store_x<T, kStreaming>(r.x + vec * kVecElems, pack<T>(y));
+    }
+  }
+}
+
 // kStreaming (v5): x is read and written by streaming global accesses (load_vec_streaming).
 // kProgrammatic (v6): launched programmatically, so nothing is read before after_prior_grids.
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false>
 __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Params p) {
-  using Tr = V3Traits<T, kVecsPerThread>;
+  static_assert(kVecsPerThread >= 1 && kVecsPerThread <= kV3MaxVecsPerThread, "a thread holds 1..8 vectors");
   if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
   const Row<T> r = locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
-  const int num_vecs = r.hidden / Tr::kVecElems;  // the narrower tensor's CTAs leave threads idle
-
   Vec<T> x[kVecsPerThread];  // kept packed across the block reduction: half the registers of float32
-  float sum_sq = 0.f;
-#pragma unroll
-  for (int i = 0; i < kVecsPerThread; ++i) {
-    const int vec = i * blockDim.x + threadIdx.x;
-    if (vec < num_vecs) {
-      const T* at = r.x + vec * Tr::kVecElems;
-      x[i] = load_x<T, kStreaming>(at);
-      float xf[Tr::kVecElems];
-      unpack<T>(x[i], xf);
-#pragma unroll
-      for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += xf[j] * xf[j];
-    }
-  }
+  const float sum_sq = load_row_vectors<T, kVecsPerThread, kStreaming>(r, threadIdx.x, blockDim.x, x);
   const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
-#pragma unroll
-  for (int i = 0; i < kVecsPerThread; ++i) {
-    const int vec = i * blockDim.x + threadIdx.x;
-    if (vec < num_vecs) {
-      float xf[Tr::kVecElems], w[Tr::kVecElems], y[Tr::kVecElems];
-      unpack<T>(x[i], xf);
-      load_weight_vec<T, kHfRounding>(r.w, r.w_is_fp32, vec * Tr::kVecElems, p.weight_offset, w);
-#pragma unroll
-      for (int j = 0; j < Tr::kVecElems; ++j) y[j] = normalized<T, kHfRounding>(xf[j], rstd, w[j]);
-      store_x<T, kStreaming>(r.x + vec * Tr::kVecElems, pack<T>(y));
-    }
-  }
+  store_row_vectors<T, kVecsPerThread, kHfRounding, kStreaming>(r, threadIdx.x, blockDim.x, x, rstd, p.weight_offset);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -298,6 +316,50 @@ __global__ void __launch_bounds__(kV4Threads) cross_head_norm_v4_kernel(Params p
 constexpr int kV7Warps = 4;  // per CTA where the rows fill the GPU
 constexpr int kV7Threads = kV7Warps * kWarpSize;
 static_assert(valid_block_size<kV7Threads> && kV7Threads <= kV3MaxThreads, "v7: whole warps within v3's bound");
+
+// ------------------------------------------------------------------------------------------
+// v8: v7 with, at narrow rows (up to 256 vectors, 2048 bf16 elements) and many tokens, one warp per token: q's row then k's, four tokens per CTA, no block barrier - removes v7's two small CTAs per token there (tensor-parallel shards, small models), whose dispatch, not their bytes, set the time
+// grid.x: ceil(T / kV8Warps); warp w of CTA b normalizes token b * kV8Warps + w: lane l holds
+// vectors l, l + 32, ... of the row (kVecsPerLane slots, the wider row's count), a warp sum gives
+// its rstd, and the warp goes on to the token's k row. A CTA is kV8Warps tokens, 2 * kV8Warps of
+// v7's CTAs. Wider rows, and batches too small to hide a warp's serial work, run v7.
+// Why: v7 launches a CTA per row, 2T CTAs. At MiniMax-M2's TP=8 shard (768 + 128 bf16) a q row is
+// 1.5 KiB and a k row 256 bytes, so each CTA lives for a few hundred cycles and the GPU runs out
+// of CTA launches before bandwidth: 16384 tokens took 40.6 us under v7 (35 % of copy; ncu: 50 %
+// achieved occupancy of 98 % theoretical) and 19.3 us here (72 %). v5's plain launch of the same
+// kernel took 24.3: each programmatically launched CTA also waits on griddepcontrol, which is
+// free for a few thousand CTAs and not for 32768. Measured on the H200: docs/cross_head_norm.md.
+// Tried and dropped (16384 tokens, 768 + 128): the weight lines prefetched into L1 beside the
+// loads (40.7 us), all of a lane's weights loaded into registers before its stores (22.3 us), and
+// q's and k's rows loaded together, two sums at once (35.6 us). None helped at one token either.
+// ------------------------------------------------------------------------------------------
+constexpr int kV8Warps = 4;
+constexpr int kV8Threads = kV8Warps * kWarpSize;
+constexpr int kV8MaxVecsPerLane = 8;  // 8 x 16 bytes = 32 registers of row per lane, as v3's thread
+constexpr int kV8MaxVecs = kV8MaxVecsPerLane * kWarpSize;
+// Below this many tokens per 16-byte vector of a token (q's and k's together), v7 is faster: a
+// warp works through its token's vectors serially and too few warps are resident to hide that
+// (crossovers measured on the H200 between 1024 and 2048 tokens at 768 + 128 bf16, near 4096 at
+// 2048 + 256, and above 4096 at 1024 + 1024: docs/cross_head_norm.md).
+constexpr int kV8TokensPerVector = 18;
+static_assert(valid_block_size<kV8Threads>, "v8: whole warps, at most 1024 threads");
+
+template <typename T, int kVecsPerLane, bool kHfRounding>
+__global__ void __launch_bounds__(kV8Threads) cross_head_norm_v8_kernel(Params p) {
+  static_assert(kVecsPerLane >= 1 && kVecsPerLane <= kV8MaxVecsPerLane, "a lane holds 1..8 vectors");
+  after_prior_grids();  // launched as v6 and v7 are
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * kV8Warps + threadIdx.x / kWarpSize;
+  if (token >= p.num_tokens) return;  // a whole warp leaves: nothing below waits on other warps
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int tensor = kQ; tensor < kNumTensors; ++tensor) {
+    const Row<T> r = locate_row<T>(p, token, tensor);
+    Vec<T> x[kVecsPerLane];
+    const float sum_sq = load_row_vectors<T, kVecsPerLane, true>(r, lane, kWarpSize, x);
+    const float rstd = rstd_from(warp_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
+    store_row_vectors<T, kVecsPerLane, kHfRounding, true>(r, lane, kWarpSize, x, rstd, p.weight_offset);
+  }
+}
 
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
@@ -416,6 +478,25 @@ inline void launch_v4(const Params& p, cudaStream_t stream) {
   launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(kV4Threads), shared_bytes, stream, p);
 }
 
+// v8's dispatch: rows of at most kV8MaxVecs vectors (16-byte aligned) at batches of at least
+// kV8TokensPerVector tokens per vector of a token (q's and k's) run the warp-per-token kernel at
+// the fewest vectors per lane that hold the wider row; the rest run v7.
+template <typename T, bool kHfRounding>
+inline void launch_v8(const Params& p, cudaStream_t stream) {
+  const int q_vecs = p.q_hidden / Vec<T>::kElems, k_vecs = p.k_hidden / Vec<T>::kElems;
+  const int widest_vecs = q_vecs > k_vecs ? q_vecs : k_vecs;
+  const bool warp_per_token = vector_aligned<T>(p) && widest_vecs <= kV8MaxVecs &&
+                              p.num_tokens >= kV8TokensPerVector * static_cast<int64_t>(q_vecs + k_vecs);
+  if (!warp_per_token) return launch_v4<T, kHfRounding, true, true, true>(p, stream);  // v7
+  const dim3 grid(static_cast<unsigned>((p.num_tokens + kV8Warps - 1) / kV8Warps));
+  const int vecs_per_lane = (widest_vecs + kWarpSize - 1) / kWarpSize;
+  auto go = [&](auto kernel) { launch_kernel(true, kernel, grid, dim3(kV8Threads), 0, stream, p); };
+  if (vecs_per_lane == 1) return go(cross_head_norm_v8_kernel<T, 1, kHfRounding>);
+  if (vecs_per_lane == 2) return go(cross_head_norm_v8_kernel<T, 2, kHfRounding>);
+  if (vecs_per_lane <= 4) return go(cross_head_norm_v8_kernel<T, 4, kHfRounding>);
+  return go(cross_head_norm_v8_kernel<T, kV8MaxVecsPerLane, kHfRounding>);
+}
+
 template <typename T, bool kHfRounding>
 inline void launch_version(const Params& p, int version, cudaStream_t stream) {
   switch (version) {
@@ -425,7 +506,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 4: return launch_v4<T, kHfRounding>(p, stream);
     case 5: return launch_v4<T, kHfRounding, true>(p, stream);
     case 6: return launch_v4<T, kHfRounding, true, true>(p, stream);
-    default: return launch_v4<T, kHfRounding, true, true, true>(p, stream);
+    case 7: return launch_v4<T, kHfRounding, true, true, true>(p, stream);
+    default: return launch_v8<T, kHfRounding>(p, stream);
   }
 }
 
@@ -438,7 +520,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 7;
+constexpr int kNumVersions = 8;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

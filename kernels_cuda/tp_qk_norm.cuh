@@ -393,10 +393,6 @@ static_assert(kMaxRowsPerCta >= kFusedWarps, "v3: (row, slice) units never outnu
 static_assert(kMaxRowsPerCta * kMaxRanks + kMaxRanks * kHeaderWords <= kFusedThreads,
               "v3: the waiting threads and the header-checking threads are disjoint");
 
-__device__ __forceinline__ void prefetch_l1(const void* addr) {
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(addr));
-}
-
 // Waits like wait_for_epoch, but gives up (false) once *keep_waiting is 0.
 __device__ __forceinline__ bool wait_for_epoch_unless(const uint64_t* addr, uint32_t epoch,
                                                       const volatile int* keep_waiting, uint64_t& word) {

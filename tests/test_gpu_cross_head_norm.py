@@ -46,6 +46,26 @@ def test_widths_near_cta_limits(impl, width, dtype):
     run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=1.0, rounding="hf")
 
 
+# v8 runs one warp per token where the wider row is at most 256 16-byte vectors and the call has
+# at least 18 tokens per vector of a token (kV8TokensPerVector). These token counts are above that
+# in every dtype listed, odd (a last CTA with idle warps), and the widths take each of its kernels:
+# 1, 2, 4 and 8 vectors per lane in 16-bit dtypes, 1, 4 and 8 in float32 (4 elements a vector);
+# (5187, 2048, 256) in float32 is past 256 vectors, and (4099, 2048, 2) not 16-byte aligned: v7.
+NARROW_ROWS = [(401, 64, 8), (2593, 512, 64), (4033, 768, 128), (5187, 2048, 256), (4099, 2048, 2)]
+DTYPE_ROUNDINGS = [(torch.bfloat16, "fused"), (torch.float16, "hf"), (torch.float32, "fused"), (torch.float32, "hf")]
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("shape", NARROW_ROWS, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype, rounding", DTYPE_ROUNDINGS, ids=lambda v: str(v).removeprefix("torch."))
+def test_narrow_rows_at_many_tokens(impl, shape, dtype, rounding):
+    """Zero rows at eps=0 too (they must come out zero), float32 weights in the fused order."""
+    require(impl)
+    inputs = contract.make_inputs(*shape, dtype, "cuda", seed=shape[0], fused_qkv=True, kind="zero_rows",
+                                  weight_dtype=torch.float32 if rounding == "fused" else None)
+    run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=0.5, rounding=rounding)
+
+
 @pytest.mark.parametrize("impl", kernel_impls(OP))
 def test_token_stride_beyond_int32(impl):
     """A token stride over 2^31 elements must not overflow the kernels' index arithmetic."""
@@ -129,6 +149,8 @@ for version in [impl.version for impl in registry.implementations("cross_head_no
         for q_hidden, k_hidden in ((4096, 1024), (32776, 96)):
             x = contract.make_inputs(3, q_hidden, k_hidden, torch.bfloat16, "cuda", seed=version, fused_qkv=fused)
             cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
+    x = contract.make_inputs(801, 256, 64, torch.bfloat16, "cuda", seed=version, fused_qkv=True)  # v8's warp per token
+    cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
 x = contract.make_inputs(3, 130, 64, torch.float16, "cuda", fused_qkv=True)
 cookbook.cross_head_norm(**x, backend="cuda", rounding="hf")
 torch.cuda.synchronize()

@@ -273,7 +273,9 @@ def flops(q, k) -> int:
 
 
 # Shapes the benchmark sweeps: (tokens, q_hidden, k_hidden). 8192/8192: a 64-head model without
-# GQA (the TARGETS rows); 4096/4096: OLMo2-7B; 6144/1024: MiniMax-M2 at TP=1; 5120/1024: Wan-like.
+# GQA (the TARGETS rows); 4096/4096: OLMo2-7B; 6144/1024: MiniMax-M2 at TP=1; 5120/1024: Wan-like;
+# 768/128: MiniMax-M2's shard at TP=8 (the rows tp_qk_norm normalizes per rank); 2048/256: a
+# 2048-wide model with 8:1 GQA (narrow rows, many tokens: v8's case).
 BENCH_SHAPES = [
     (1, 8192, 8192),
     (16, 8192, 8192),
@@ -284,6 +286,8 @@ BENCH_SHAPES = [
     (4096, 6144, 1024),
     (1024, 5120, 1024),
     (512, 32768, 4096),
+    (16384, 768, 128),
+    (8192, 2048, 256),
 ]
 SIM_SHAPES = [(2, 64, 32), (3, 96, 64)]
 

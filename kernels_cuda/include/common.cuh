@@ -249,6 +249,13 @@ __host__ __device__ __forceinline__ bool is_aligned(const void* p, int bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
+// Starts bringing the line at `addr` into L1 and returns at once: a later load of it then costs an
+// L1 hit instead of a round trip to L2. For read-only tables (weights) whose loads the compiler
+// must keep behind earlier stores to x (it cannot prove they do not alias).
+__device__ __forceinline__ void prefetch_l1(const void* addr) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(addr));
+}
+
 // ---- the RMSNorm arithmetic ------------------------------------------------------------------
 // rstd = rsqrt(mean(x^2) + eps); 0 when that is 0 (eps = 0 and an all-zero row), so such a row
 // normalizes to zeros rather than NaN.
