@@ -275,6 +275,16 @@ for impl in cuda_versions:
 #   8 vectors took 2.87 us at one token, against 1.68). On the H200: 141.1 -> 138.3 us at 8192 x
 #   8192 and 35.3 -> 33.2 us at 4096 x 6144/1024, where v6 had been a hair behind
 #   `torch.compile`.
+# * **v8** is for narrow rows: a tensor-parallel shard (MiniMax-M2's q and k at TP=8 are 768 and
+#   128 wide) or a small model. A CTA per row there is 96 threads that live for a few hundred
+#   cycles, and 16384 tokens make 32768 of them: the GPU runs out of CTA launches before it runs
+#   out of bandwidth (v7: 40.5 us, 34 % of copy, slower than `torch.compile`'s 23.4). v8 gives
+#   each token one warp, which normalizes q's row and then k's with a warp sum and no block
+#   barrier, four tokens to a CTA: 19.3 us, 72 % of copy. It holds fewer warps per SM than v7
+#   (40 against 63: the occupancy lesson of v2 runs the other way here, since the cost was never
+#   the warps). A warp works through its token's vectors one after another, so with few tokens
+#   v7's wide CTAs are faster: v8 takes over from 18 tokens per 16-byte vector of a token (a
+#   rule fitted to the crossovers measured on the H200; docs/cross_head_norm.md).
 #
 # ## 7. What the compiler says: registers, and the occupancy they allow
 #
@@ -298,9 +308,11 @@ else:
     bf16_fused = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E(?:Lb([01])E)?(?:Lb([01])E)?")
     found = sorted(((int(m.group(1)), int(m.group(2) or 0), m.group(3) == "1", m.group(4) == "1"), k)
                    for k in nvcc_report.compile_header(OP) if (m := bf16_fused.search(k.mangled)))
-    print("| kernel | vectors per thread | streaming x (v5) | programmatic (v6, v7) | registers | spill bytes |")
+    print("| kernel | vectors per thread (v8: per lane) | streaming x (v5 on) | programmatic (v6 on) | registers | spill bytes |")
     print("|---|---|---|---|---|---|")
     for (version, vecs, streaming, programmatic), k in found:
+        if version == 8:  # v8's warp-per-token kernel always streams and launches programmatically
+            streaming = programmatic = True
         print(f"| v{version} | {vecs or '-'} | {'yes' if streaming else 'no'} | {'yes' if programmatic else 'no'} "
               f"| {k.registers} | {k.spill_bytes} |")
     print()
@@ -473,7 +485,8 @@ else:
 # 8-vector kernel there), and v5 (streaming accesses, v3's kernel up to 32768) a few per cent
 # ahead of both, 10 % at the widest row. v6 takes about half a microsecond off every call (the
 # launch gap), and v7 pulls ahead where the batch fills the GPU many times over (8192 x 8192, the
-# GQA shape, 1024 x 4096).
+# GQA shape, 1024 x 4096). At the two narrow shapes (16384 x 768/128, 8192 x 2048/256) v7 falls
+# behind `torch.compile` and v8's warp per token is ahead of both.
 # The summary above the plot says, per shape, which implementation was fastest and how the
 # last version compares with eager PyTorch and `torch.compile`.
 #

@@ -48,7 +48,8 @@ NAMED_KERNELS = {
 # that instantiation. qk_norm v4 to v6 are v3's kernel with a 32-bit row index (v5 streaming x,
 # v6 also a programmatic launch); cross_head_norm v5 is v4's dispatch with streaming kernels
 # (v4's bulk-copy kernel named), v6 the same launched programmatically, v7 v6 with v3's kernel at
-# up to eight vectors per thread where the rows fill the GPU (the eight-vector kernel named);
+# up to eight vectors per thread where the rows fill the GPU (the eight-vector kernel named; v8's
+# warp-per-token kernels come out of the pattern as one cell, per vectors per lane);
 # qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named).
 KERNEL_INSTANCES = {
     "qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, false, false>",
@@ -108,8 +109,9 @@ def cuda_registers(op: str) -> dict[int, str]:
         found[version] = f"{kernel.registers} regs, {kernel.spill_bytes} B spill ({instance.split('<')[0]})"
     for version, kernels in per_vectors.items():  # one cell: every vectors-per-thread kernel
         kernels.sort()
+        unit = "lane" if op == "cross_head_norm" and version == 8 else "thread"  # v8: a warp per token
         found[version] = (f"{'/'.join(str(r) for _, r, _ in kernels)} regs at {'/'.join(str(n) for n, _, _ in kernels)} "
-                          f"vectors per thread, {max(s for _, _, s in kernels)} B spill")
+                          f"vectors per {unit}, {max(s for _, _, s in kernels)} B spill")
     return found
 
 
@@ -206,7 +208,21 @@ def cross_head_norm_launches(widest: int, elem_bytes: int = 2) -> dict[int, tupl
         launches[7] = (-(-threads // WARP) * WARP, vecs)
     else:
         launches[7] = launches[5]
+    # v8, at narrow rows (and enough tokens): kV8Warps-warp CTAs, one warp per token, 1, 2, 4 or 8
+    # vectors per lane; wider rows run v7
+    if v8_takes(widest, elem_bytes):
+        lane_vecs = -(-(widest // vec_elems) // WARP)
+        launches[8] = (_header_constant(header, "kV8Warps") * WARP, 1 << max(0, (lane_vecs - 1).bit_length()))
+    else:
+        launches[8] = launches[7]
     return launches
+
+
+def v8_takes(widest: int, elem_bytes: int = 2) -> bool:
+    """Whether cross_head_norm v8 runs its warp-per-token kernel on rows up to `widest` elements
+    (given enough tokens: kV8TokensPerVector per vector of a token)."""
+    header = (nvcc_report.KERNEL_DIR / "cross_head_norm.cuh").read_text()
+    return widest // (16 // elem_bytes) <= _header_constant(header, "kV8MaxVecsPerLane") * WARP
 
 
 def occupancy_table(op: str = "cross_head_norm") -> str:
@@ -232,19 +248,25 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
     for widest in widths:
         for version, (threads, vecs) in cross_head_norm_launches(widest).items():
             streaming = version >= 5
-            kernel_version = 2 if version == 3 and vecs == 0 else 3 if version >= 4 and vecs else min(version, 4)
-            registers, smem = resources[(kernel_version, vecs, streaming)]
+            warp_per_token = version == 8 and v8_takes(widest)
+            kernel_version = 8 if warp_per_token else 2 if version == 3 and vecs == 0 else \
+                3 if version >= 4 and vecs else min(version, 4)
+            # v8's kernel always streams and launches programmatically: no template flags for either
+            registers, smem = resources[(kernel_version, vecs, streaming and not warp_per_token)]
             if kernel_version == 4:
                 smem += widest * 2  # v4 stages the wider bf16 row in dynamic shared memory
             ctas, binding = theoretical_occupancy(registers, threads, smem)
             warps = ctas * (threads // WARP)
-            kernel = f"v3, {vecs} vector{'s' if vecs > 1 else ''}/thread" if vecs else f"v{kernel_version}"
+            kernel = f"v8, {vecs} vector{'s' if vecs > 1 else ''}/lane, a warp per token" if warp_per_token else \
+                f"v3, {vecs} vector{'s' if vecs > 1 else ''}/thread" if vecs else f"v{kernel_version}"
             kernel += ", streaming" if streaming else ""
             lines.append(f"| {widest} | v{version} | {kernel} | {threads} | {registers} | {smem} B | {ctas} ({binding}) "
                          f"| {warps} | {100 * warps / SM90_MAX_WARPS:.0f} % |")
     lines += ["", f"(ptxas for {nvcc_report.DEFAULT_ARCH}, bf16, fused rounding; theoretical occupancy = resident warps / "
               f"{SM90_MAX_WARPS}, from registers, threads and shared memory per CTA as CUDA's occupancy calculator counts them. "
-              "v6 launches v5's kernels; v7's rows are its pick where the call's rows fill the GPU, below that it launches v6's.)"]
+              "v6 launches v5's kernels; v7's rows are its pick where the call's rows fill the GPU, below that it launches v6's; "
+              "v8's are its warp-per-token kernel at rows of up to 2048 bf16 elements and at least 18 tokens per 16-byte vector "
+              "of a token, below that it launches v7's.)"]
     return "\n".join(lines)
 
 
