@@ -174,3 +174,30 @@ def test_the_collective_bench_rejects_an_unknown_row(capsys):
         bench_tp.main(["--impls", "cuda_v1,cuda_v99"])
     assert exit_info.value.code == 2
     assert "--impls: unknown row(s) ['cuda_v99']" in capsys.readouterr().err
+
+
+def test_copy_by_shape_copies_half_the_bytes_in_whole_blocks():
+    from cookbook.copy_by_shape import BLOCK_BYTES, copy_bytes_for
+
+    assert copy_bytes_for(2 * 10 * BLOCK_BYTES) == 10 * BLOCK_BYTES
+    assert copy_bytes_for(2 * 10 * BLOCK_BYTES + 2 * BLOCK_BYTES - 2) == 10 * BLOCK_BYTES  # rounded down
+    assert copy_bytes_for(100) == BLOCK_BYTES  # never an empty copy
+
+
+def test_copy_by_shape_page_names_gpu_commit_command_and_rows():
+    from cookbook.copy_by_shape import page
+
+    meta = dict(gpu="Some GPU", sm_count=1, torch="t", cuda="c", date="d", commit="abc1234",
+                command="python -m cookbook.copy_by_shape", copy_bytes=256 << 20, copy_tb_per_s=4.2, timing="graph")
+    row = dict(op="qk_norm", label="T=1 Hq=8 Hk=1 D=128", bytes_moved=4_000_000, copy_us=1.5, gb_per_s=2000.0,
+               pct_of_reference=47.6, exact_us=2.5)
+    text = page([row], meta)
+    for fragment in ("Some GPU", "abc1234", "python -m cookbook.copy_by_shape", "T=1 Hq=8 Hk=1 D=128", "48 %", "4.00"):
+        assert fragment in text
+
+
+def test_copy_by_shape_without_a_gpu_says_so(capsys):
+    from cookbook import copy_by_shape
+
+    assert copy_by_shape.main([]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
