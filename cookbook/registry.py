@@ -91,6 +91,7 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _cuda("qk_norm", 4, "a 32-bit row -> (token, head) division where rows < 2^32 - removes most of v3's per-row index arithmetic"),
         _cuda("qk_norm", 5, "x read and written by streaming (evict-first) global accesses, as qk_norm_rope v5 and cross_head_norm v5 do - removes v4's default caching of bytes that are touched once"),
         _cuda("qk_norm", 6, "v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call"),
+        _cuda("qk_norm", 7, "v6 where a call's rows need more than one trip of v6's resident grid but fit in one when each lane group takes two rows: both rows' loads are issued before either is reduced - removes v6's second serial DRAM round trip at mid-size batches (about 180 to 350 tokens of 72 heads on an H200)"),
         Impl("qk_norm", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
     ],

@@ -14,6 +14,7 @@
 // v4: a 32-bit row -> (token, head) division where rows < 2^32 - removes most of v3's per-row index arithmetic
 // v5: x read and written by streaming (evict-first) global accesses, as qk_norm_rope v5 and cross_head_norm v5 do - removes v4's default caching of bytes that are touched once
 // v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
+// v7: v6 where a call's rows need more than one trip of v6's resident grid but fit in one when each lane group takes two rows: both rows' loads are issued before either is reduced - removes v6's second serial DRAM round trip at mid-size batches (about 180 to 350 tokens of 72 heads on an H200)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -124,7 +125,17 @@ __global__ void __launch_bounds__(kV2Threads) qk_norm_v2_kernel(Params p, int64_
 // blocks); blocks stride over rows, and since a lane always covers the same columns, its slice
 // of both weights is loaded once, before the loop.
 // ------------------------------------------------------------------------------------------
-template <typename T, int kHeadDim>
+// v7's lane groups take kV7RowsPerGroup rows per trip, and its kernel is built to keep
+// kV7MinBlocksPerSm blocks resident per SM: as many as v6's kernel holds at head_dims of one
+// vector per lane (40 registers, 6 blocks of 256 threads), so v7's grid covers exactly twice
+// v6's rows in one trip. ptxas fits it in 40 registers without spilling (46 unconstrained).
+constexpr int kV7RowsPerGroup = 2;
+constexpr int kV7MinBlocksPerSm = 6;
+static_assert(kV7RowsPerGroup > 1, "v7 takes more rows per lane group than v6");
+
+// kRowsPerGroup (v7): the rows a lane group takes per loop trip, all loaded before any is
+// reduced (1 for v3 to v6).
+template <typename T, int kHeadDim, int kRowsPerGroup = 1>
 struct V3Traits {
   static constexpr int kVecElems = Vec<T>::kElems;                    // 4 fp32, 8 fp16/bf16
   static constexpr int kVecsPerHead = kHeadDim / kVecElems;
@@ -132,21 +143,23 @@ struct V3Traits {
   static constexpr int kVecsPerThread = kVecsPerHead / kThreadsPerHead;
   static constexpr int kElemsPerThread = kVecsPerThread * kVecElems;
   static constexpr int kThreadsPerBlock = 256;
-  static constexpr int kHeadsPerBlock = kThreadsPerBlock / kThreadsPerHead;
+  static constexpr int kHeadsPerBlock = kThreadsPerBlock / kThreadsPerHead;  // lane groups per block
+  static constexpr int kRowsPerBlock = kHeadsPerBlock * kRowsPerGroup;      // rows per block per loop trip
 
   static_assert(kHeadDim % kVecElems == 0, "a head is a whole number of 16-byte vectors");
   static_assert(kVecsPerHead % kThreadsPerHead == 0, "every lane of a head holds as many vectors");
   static_assert(kWarpSize % kThreadsPerHead == 0, "heads tile a warp, so a shuffle group never spans two warps");
   static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
+  static_assert(kRowsPerGroup >= 1, "a lane group takes at least one row per trip");
 };
 
 // v3 divides with RowIndex = int64_t; v4 (below) is this kernel with RowIndex = uint32_t, v5 with
-// RowIndex = uint32_t and kStreaming, v6 with kProgrammatic too.
+// RowIndex = uint32_t and kStreaming, v6 with kProgrammatic too, v7 launches it with kRowsPerGroup = 2.
 template <typename T, int kHeadDim, bool kHfRounding, typename RowIndex, bool kStreaming = false,
-          bool kProgrammatic = false>
-__global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
+          bool kProgrammatic = false, int kRowsPerGroup = 1>
+__global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock, kRowsPerGroup > 1 ? kV7MinBlocksPerSm : 1)
     qk_norm_v3_kernel(Params p, int64_t rows) {
-  using Tr = V3Traits<T, kHeadDim>;
+  using Tr = V3Traits<T, kHeadDim, kRowsPerGroup>;
   if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
   const int lane = threadIdx.x % Tr::kThreadsPerHead;  // lane within its head group
   const int head_in_block = threadIdx.x / Tr::kThreadsPerHead;
@@ -167,42 +180,52 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
   }
 
   // `first` is uniform across the block, so every lane runs the same iterations and the group
-  // shuffles never miss a lane; rows past the end compute on zeros and store nothing.
-  const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kHeadsPerBlock;
-  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kHeadsPerBlock; first < rows; first += row_stride) {
-    const int64_t row = first + head_in_block;
-    const bool active = row < rows;
-    const Row<T> r = active ? locate_row<T, RowIndex>(p, static_cast<RowIndex>(row)) : Row<T>{nullptr, nullptr, false};
-
-    float x[Tr::kVecsPerThread][Tr::kVecElems];
+  // shuffles never miss a lane; rows past the end compute on zeros and store nothing. Per trip a
+  // group takes rows first + g * kHeadsPerBlock + head_in_block (g < kRowsPerGroup): for each g
+  // the block's groups cover neighbouring rows, so its loads stay contiguous.
+  const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kRowsPerBlock;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kRowsPerBlock; first < rows; first += row_stride) {
+    Row<T> r[kRowsPerGroup];
+    bool active[kRowsPerGroup];
+    Vec<T> packed[kRowsPerGroup][Tr::kVecsPerThread];
+    // Every load of the trip is issued before any is used: kRowsPerGroup x kVecsPerThread in flight.
 #pragma unroll
-    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-      Vec<T> v;
-      if (active) {
-        v = load_x<T, kStreaming>(r.x + column(i, 0));
-      } else {
-#pragma unroll
-        for (int j = 0; j < Tr::kVecElems; ++j) v.v[j] = from_float<T>(0.f);
-      }
-      unpack<T>(v, x[i]);
-    }
-    float sum_sq = 0.f;
-#pragma unroll
-    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-#pragma unroll
-      for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += x[i][j] * x[i][j];
-    }
-    const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
-    if (active) {
+    for (int g = 0; g < kRowsPerGroup; ++g) {
+      const int64_t row = first + g * Tr::kHeadsPerBlock + head_in_block;
+      active[g] = row < rows;
+      r[g] = active[g] ? locate_row<T, RowIndex>(p, static_cast<RowIndex>(row)) : Row<T>{nullptr, nullptr, false};
 #pragma unroll
       for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-        float y[Tr::kVecElems];
+        if (active[g]) {
+          packed[g][i] = load_x<T, kStreaming>(r[g].x + column(i, 0));
+        } else {
 #pragma unroll
-        for (int j = 0; j < Tr::kVecElems; ++j) {
-          const int e = i * Tr::kVecElems + j;
-          y[j] = normalized<T, kHfRounding>(x[i][j], rstd, r.is_q ? w_q[e] : w_k[e]);
+          for (int j = 0; j < Tr::kVecElems; ++j) packed[g][i].v[j] = from_float<T>(0.f);
         }
-        store_x<T, kStreaming>(r.x + column(i, 0), pack<T>(y));
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kRowsPerGroup; ++g) {
+      float x[Tr::kVecsPerThread][Tr::kVecElems];
+      float sum_sq = 0.f;
+#pragma unroll
+      for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+        unpack<T>(packed[g][i], x[i]);
+#pragma unroll
+        for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += x[i][j] * x[i][j];
+      }
+      const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
+      if (active[g]) {
+#pragma unroll
+        for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+          float y[Tr::kVecElems];
+#pragma unroll
+          for (int j = 0; j < Tr::kVecElems; ++j) {
+            const int e = i * Tr::kVecElems + j;
+            y[j] = normalized<T, kHfRounding>(x[i][j], rstd, r[g].is_q ? w_q[e] : w_k[e]);
+          }
+          store_x<T, kStreaming>(r[g].x + column(i, 0), pack<T>(y));
+        }
       }
     }
   }
@@ -227,6 +250,17 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // then a large part of the call, and this overlaps it with the previous kernel's tail when that
 // kernel lets it (the bench's previous call does). Measured on the H200: docs/qk_norm.md.
 // ------------------------------------------------------------------------------------------
+// v7: v6 where a call's rows need more than one trip of v6's resident grid but fit in one when each lane group takes two rows: both rows' loads are issued before either is reduced - removes v6's second serial DRAM round trip at mid-size batches (about 180 to 350 tokens of 72 heads on an H200)
+// The same kernel with kRowsPerGroup = kV7RowsPerGroup, picked per call. v6's persistent grid
+// holds a fixed number of lane groups (6 blocks of 16 groups per SM at head_dim 128 bf16); a
+// call with more rows than that makes some groups walk a second row after their first, and the
+// call then waits for two DRAM round trips one after the other (at 256 tokens x 72 heads, 18432
+// rows against 12672 resident groups). Two rows per group, both loaded before either is
+// reduced, cover such a call in one trip. Past two trips' worth of rows the grid loops anyway
+// and v7 launches v6's kernel (measured: two rows per trip did not pay at 1024 tokens and
+// beyond), as it does for heads of several vectors per lane, which already have that many
+// loads in flight. Measured on the H200: docs/qk_norm.md.
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -241,8 +275,19 @@ inline void launch_v2(const Params& p, int64_t rows, cudaStream_t stream) {
   qk_norm_v2_kernel<T, kHfRounding><<<static_cast<unsigned>(blocks), kV2Threads, 0, stream>>>(p, rows);
 }
 
+// Launches kernel `kernel`, whose lane groups take `rows_per_block / kHeadsPerBlock` rows per
+// trip, on a grid of min(blocks needed, blocks resident).
+template <auto kKernel, int kThreadsPerBlock, int kRowsPerBlock>
+inline void launch_persistent(bool programmatic, const Params& p, int64_t rows, cudaStream_t stream) {
+  const int64_t needed = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t resident = persistent_grid_limit<kKernel>(kThreadsPerBlock);
+  const int64_t blocks = needed < resident ? needed : resident;
+  launch_kernel(programmatic, kKernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreadsPerBlock), 0, stream, p, rows);
+}
+
 // kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32; 5: v4 with streaming x;
-// 6: v5 as a programmatic dependent launch.
+// 6: v5 as a programmatic dependent launch; 7: v6, or two rows per lane group where that makes
+// a call that needs two trips of v6's grid fit in one.
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
@@ -250,13 +295,20 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
   }
   using Tr = V3Traits<T, kHeadDim>;
   using RowIndex = std::conditional_t<kVersion >= 4, uint32_t, int64_t>;
+  constexpr bool kStreaming = kVersion >= 5;
   constexpr bool kProgrammatic = kVersion >= 6;
-  constexpr auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, (kVersion >= 5), kProgrammatic>;
-  const int64_t needed = (rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock;
-  const int64_t resident = persistent_grid_limit<kernel>(Tr::kThreadsPerBlock);
-  const int64_t blocks = needed < resident ? needed : resident;
-  launch_kernel(kProgrammatic, kernel, dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreadsPerBlock), 0, stream, p,
-                rows);
+  constexpr auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, kStreaming, kProgrammatic>;
+  if constexpr (kVersion >= 7 && Tr::kVecsPerThread == 1) {
+    using Tr7 = V3Traits<T, kHeadDim, kV7RowsPerGroup>;
+    constexpr auto kernel7 =
+        qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, kStreaming, kProgrammatic, kV7RowsPerGroup>;
+    const int64_t one_trip_v6 = static_cast<int64_t>(persistent_grid_limit<kernel>(Tr::kThreadsPerBlock)) * Tr::kRowsPerBlock;
+    const int64_t one_trip_v7 = static_cast<int64_t>(persistent_grid_limit<kernel7>(Tr7::kThreadsPerBlock)) * Tr7::kRowsPerBlock;
+    if (rows > one_trip_v6 && rows <= one_trip_v7) {
+      return launch_persistent<kernel7, Tr7::kThreadsPerBlock, Tr7::kRowsPerBlock>(kProgrammatic, p, rows, stream);
+    }
+  }
+  launch_persistent<kernel, Tr::kThreadsPerBlock, Tr::kRowsPerBlock>(kProgrammatic, p, rows, stream);
 }
 
 // The 16-byte path needs both tensors' rows to start on 16-byte boundaries.
@@ -291,7 +343,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 3: return launch_v3<T, kHfRounding, 3>(p, rows, stream);
     case 4: return launch_v3<T, kHfRounding, 4>(p, rows, stream);
     case 5: return launch_v3<T, kHfRounding, 5>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding, 6>(p, rows, stream);
+    case 6: return launch_v3<T, kHfRounding, 6>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 7>(p, rows, stream);
   }
 }
 
@@ -304,7 +357,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 6;
+constexpr int kNumVersions = 7;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

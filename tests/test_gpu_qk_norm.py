@@ -29,6 +29,29 @@ def test_shapes_at_scale(impl, shape, dtype):
     run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding="fused")
 
 
+def two_trip_token_counts(heads, head_dim):
+    """Token counts around v7's two-rows-per-group band on this GPU: more rows than v6's grid of
+    6 blocks x (256 / lanes per row) groups per SM holds, at most twice that (both edges, odd
+    counts, and one past the band, where v7 runs v6's kernel again)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lanes_per_row = min(head_dim // 8, 32)  # 16-byte bf16 vectors, at most a warp per row
+    one_trip = sms * 6 * (256 // lanes_per_row)
+    first, last = one_trip // heads + 1, 2 * one_trip // heads
+    return [first, (first + last) // 2 | 1, last, last + 1]
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("heads, head_dim", [((64, 8), 128), ((16, 4), 256), ((32, 8), 64)])
+@pytest.mark.parametrize("rounding, weight_offset", [("fused", 0.0), ("hf", 1.0)])
+def test_one_to_two_trips_of_the_grid(impl, heads, head_dim, rounding, weight_offset):
+    """v7 covers calls of one to two trips of v6's grid with two rows per lane group: every row,
+    the group's second row past the last one included, comes out right."""
+    require(impl)
+    for tokens in two_trip_token_counts(sum(heads), head_dim):
+        inputs = contract.make_inputs(tokens, *heads, head_dim, torch.bfloat16, "cuda", seed=tokens, fused_qkv=True)
+        run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=weight_offset, rounding=rounding)
+
+
 @pytest.mark.parametrize("impl", kernel_impls(OP))
 def test_token_stride_beyond_int32(impl):
     """A row stride over 2^31 elements must not overflow the kernels' index arithmetic."""
@@ -100,7 +123,8 @@ from cookbook.ops import qk_norm as contract
 for version in [impl.version for impl in registry.implementations("qk_norm", ("cuda",))]:
     # 800 tokens x 40 heads: more rows than a persistent grid holds, so the row walks take
     # several steps and stop at the last row.
-    for tokens, fused in ((5, False), (5, True), (800, True)):
+    # 500 tokens x 40 heads: one to two trips of v6's grid (v7's two rows per lane group on an H100/H200).
+    for tokens, fused in ((5, False), (5, True), (500, True), (800, True)):
         x = contract.make_inputs(tokens, 32, 8, 128, torch.bfloat16, "cuda", seed=version, fused_qkv=fused)
         cookbook.cuda.qk_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
 x = contract.make_inputs(3, 2, 1, 96, torch.float16, "cuda", fused_qkv=True)
