@@ -15,8 +15,7 @@
 // v5: x read and written by streaming (evict-first) global accesses, as qk_norm_rope v5 and cross_head_norm v5 do - removes v4's default caching of bytes that are touched once
 // v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 // v7: v6 where a call's rows need more than one trip of v6's resident grid but fit in one when each lane group takes two rows: both rows' loads are issued before either is reduced - removes v6's second serial DRAM round trip at mid-size batches (about 180 to 350 tokens of 72 heads on an H200)
-// v8: v7 with each block's first rows requested before the lane's weights (the weight loads and their conversion overlap the rows' round trip instead of preceding it) - removes one serial memory round trip from a decode call's critical path
-// v9: v8 with the row -> (token, head) division done by a multiply-high with a magic number the host computes once per launch - removes the ~20-instruction 32-bit division from every row of every lane
+// v8: v7 with the row -> (token, head) division done by a multiply-high with a magic number the host computes once per launch - removes the ~20-instruction 32-bit division from every row of every lane
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -41,7 +40,7 @@ struct Params {
   int64_t k_token_stride, k_head_stride;
   float eps;
   float weight_offset;
-  FastDivisor heads_divisor;  // num_q_heads + num_kv_heads, for v9 (`launch` sets it)
+  FastDivisor heads_divisor;  // num_q_heads + num_kv_heads, for v8 (`launch` sets it)
 };
 
 // One (token, head) row: where it lives and which weight it uses.
@@ -54,7 +53,7 @@ struct Row {
 
 // RowIndex: the type of the row -> (token, head) division. int64_t always works; uint32_t (rows
 // below 2^32) turns a ~70-instruction 64-bit division into a ~20-instruction one, and
-// kFastDivision (v9, uint32_t rows) into a multiply-high, an add and a shift by p.heads_divisor.
+// kFastDivision (v8, uint32_t rows) into a multiply-high, an add and a shift by p.heads_divisor.
 // Pointer offsets are 64-bit either way.
 template <typename T, typename RowIndex = int64_t, bool kFastDivision = false>
 __device__ __forceinline__ Row<T> locate_row(const Params& p, RowIndex row) {
@@ -135,11 +134,10 @@ __global__ void __launch_bounds__(kV2Threads) qk_norm_v2_kernel(Params p, int64_
 // blocks); blocks stride over rows, and since a lane always covers the same columns, its slice
 // of both weights is loaded once, before the loop.
 // ------------------------------------------------------------------------------------------
-// v7's lane groups take kV7RowsPerGroup rows per trip. Its kernel, and v8's, are built to keep
-// kV7MinBlocksPerSm blocks resident per SM at head_dims of one vector per lane: as many as v6's
-// kernel holds there (40 registers, 6 blocks of 256 threads), so v7's grid covers exactly twice
-// v6's rows in one trip and v8 keeps v6's occupancy. ptxas fits both in 40 registers without
-// spilling (46 unconstrained); wider heads, whose lanes hold several vectors, stay unconstrained.
+// v7's lane groups take kV7RowsPerGroup rows per trip, and its kernel is built to keep
+// kV7MinBlocksPerSm blocks resident per SM: as many as v6's kernel holds at head_dims of one
+// vector per lane (40 registers, 6 blocks of 256 threads), so v7's grid covers exactly twice
+// v6's rows in one trip. ptxas fits it in 40 registers without spilling (46 unconstrained).
 constexpr int kV7RowsPerGroup = 2;
 constexpr int kV7MinBlocksPerSm = 6;
 static_assert(kV7RowsPerGroup > 1, "v7 takes more rows per lane group than v6");
@@ -164,62 +162,39 @@ struct V3Traits {
   static_assert(kRowsPerGroup >= 1, "a lane group takes at least one row per trip");
 };
 
-// The kernel's __launch_bounds__ minimum of resident blocks per SM (1: no constraint).
-template <typename T, int kHeadDim>
-constexpr int min_blocks_per_sm(int rows_per_group, bool rows_before_weights) {
-  const bool one_vector_per_lane = V3Traits<T, kHeadDim>::kVecsPerThread == 1;
-  return one_vector_per_lane && (rows_per_group > 1 || rows_before_weights) ? kV7MinBlocksPerSm : 1;
-}
-
-// Column of element j of vector i of lane `lane` of a row's group: vectors interleave across the
-// group's lanes so that one load instruction of the group covers contiguous memory.
-template <typename Tr>
-__device__ __forceinline__ int lane_column(int lane, int i, int j) {
-  return (i * Tr::kThreadsPerHead + lane) * Tr::kVecElems + j;
-}
-
-// This lane's columns of both weights, effective (offset added) and in float32.
-template <typename T, typename Tr, bool kHfRounding>
-__device__ __forceinline__ void load_lane_weights(const Params& p, int lane, float (&w_q)[Tr::kElemsPerThread],
-                                                  float (&w_k)[Tr::kElemsPerThread]) {
-#pragma unroll
-  for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-#pragma unroll
-    for (int j = 0; j < Tr::kVecElems; ++j) {
-      const int e = i * Tr::kVecElems + j;
-      const int c = lane_column<Tr>(lane, i, j);
-      w_q[e] = effective_weight<T, kHfRounding>(load_weight<T>(p.q_weight, p.weight_is_fp32, c), p.weight_offset);
-      w_k[e] = effective_weight<T, kHfRounding>(load_weight<T>(p.k_weight, p.weight_is_fp32, c), p.weight_offset);
-    }
-  }
-}
-
 // v3 divides with RowIndex = int64_t; v4 (below) is this kernel with RowIndex = uint32_t, v5 with
 // RowIndex = uint32_t and kStreaming, v6 with kProgrammatic too, v7 launches it with kRowsPerGroup
-// = 2 where that pays, v8 with kRowsBeforeWeights, v9 with kFastDivision too.
+// = 2 where that pays, v8 with kFastDivision too.
 template <typename T, int kHeadDim, bool kHfRounding, typename RowIndex, bool kStreaming = false,
-          bool kProgrammatic = false, int kRowsPerGroup = 1, bool kRowsBeforeWeights = false,
-          bool kFastDivision = false>
-__global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock,
-                                   min_blocks_per_sm<T, kHeadDim>(kRowsPerGroup, kRowsBeforeWeights))
+          bool kProgrammatic = false, int kRowsPerGroup = 1, bool kFastDivision = false>
+__global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock, kRowsPerGroup > 1 ? kV7MinBlocksPerSm : 1)
     qk_norm_v3_kernel(Params p, int64_t rows) {
   using Tr = V3Traits<T, kHeadDim, kRowsPerGroup>;
   if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
   const int lane = threadIdx.x % Tr::kThreadsPerHead;  // lane within its head group
   const int head_in_block = threadIdx.x / Tr::kThreadsPerHead;
-  auto column = [&](int i, int j) { return lane_column<Tr>(lane, i, j); };
 
-  // v3 to v7 load the weights first; v8 after the block's first rows have been requested.
+  // Column of element j of vector i of this lane: vectors interleave across the group's lanes
+  // so that one load instruction of the group covers contiguous memory.
+  auto column = [&](int i, int j) { return (i * Tr::kThreadsPerHead + lane) * Tr::kVecElems + j; };
+
   float w_q[Tr::kElemsPerThread], w_k[Tr::kElemsPerThread];
-  if constexpr (!kRowsBeforeWeights) load_lane_weights<T, Tr, kHfRounding>(p, lane, w_q, w_k);
-  const int64_t block_first = static_cast<int64_t>(blockIdx.x) * Tr::kRowsPerBlock;
+#pragma unroll
+  for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+#pragma unroll
+    for (int j = 0; j < Tr::kVecElems; ++j) {
+      const int e = i * Tr::kVecElems + j;
+      w_q[e] = effective_weight<T, kHfRounding>(load_weight<T>(p.q_weight, p.weight_is_fp32, column(i, j)), p.weight_offset);
+      w_k[e] = effective_weight<T, kHfRounding>(load_weight<T>(p.k_weight, p.weight_is_fp32, column(i, j)), p.weight_offset);
+    }
+  }
 
   // `first` is uniform across the block, so every lane runs the same iterations and the group
   // shuffles never miss a lane; rows past the end compute on zeros and store nothing. Per trip a
   // group takes rows first + g * kHeadsPerBlock + head_in_block (g < kRowsPerGroup): for each g
   // the block's groups cover neighbouring rows, so its loads stay contiguous.
   const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kRowsPerBlock;
-  for (int64_t first = block_first; first < rows; first += row_stride) {
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kRowsPerBlock; first < rows; first += row_stride) {
     Row<T> r[kRowsPerGroup];
     bool active[kRowsPerGroup];
     Vec<T> packed[kRowsPerGroup][Tr::kVecsPerThread];
@@ -239,9 +214,6 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock,
           for (int j = 0; j < Tr::kVecElems; ++j) packed[g][i].v[j] = from_float<T>(0.f);
         }
       }
-    }
-    if constexpr (kRowsBeforeWeights) {
-      if (first == block_first) load_lane_weights<T, Tr, kHfRounding>(p, lane, w_q, w_k);  // uniform branch
     }
 #pragma unroll
     for (int g = 0; g < kRowsPerGroup; ++g) {
@@ -300,19 +272,12 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock,
 // beyond), as it does for heads of several vectors per lane, which already have that many
 // loads in flight. Measured on the H200: docs/qk_norm.md.
 // ------------------------------------------------------------------------------------------
-// v8: v7 with each block's first rows requested before the lane's weights (the weight loads and their conversion overlap the rows' round trip instead of preceding it) - removes one serial memory round trip from a decode call's critical path
-// The same kernel with kRowsBeforeWeights. In v3 to v7 a lane loads its 2 x kElemsPerThread
-// weights (scalar loads, each converted and offset as it arrives) before its first row: the row's
-// load is issued only once those conversions have their operands, so the call waits for one
-// memory round trip and then another. v8 requests the block's first rows, then loads the weights
-// while the rows are in flight (later trips are unchanged). Measured with build probes of that
-// order alone on the H200 (one token, 72 rows): 0.96 us weights first, 0.81 us rows first.
-// ------------------------------------------------------------------------------------------
-// v9: v8 with the row -> (token, head) division done by a multiply-high with a magic number the host computes once per launch - removes the ~20-instruction 32-bit division from every row of every lane
+// v8: v7 with the row -> (token, head) division done by a multiply-high with a magic number the host computes once per launch - removes the ~20-instruction 32-bit division from every row of every lane
 // The same kernel with kFastDivision: locate_row divides by p.heads_divisor (FastDivisor in
-// include/common.cuh), which `launch` builds for num_q_heads + num_kv_heads. Every row of every
-// lane runs that division (16 lanes per row at head_dim 128 bf16), so at 8192 tokens, where the
-// SMs issue for about as long as DRAM takes to move the bytes, it is a share of the work.
+// include/common.cuh), which `launch` builds for num_q_heads + num_kv_heads. Every lane of a
+// row's group runs that division for every row (16 lanes per row at head_dim 128 bf16); at 8192
+// tokens the SMs issue for about as long as DRAM takes to move the bytes, so fewer instructions
+// per row show there. Measured on the H200: docs/qk_norm.md.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
@@ -340,8 +305,7 @@ inline void launch_persistent(bool programmatic, const Params& p, int64_t rows, 
 
 // kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32; 5: v4 with streaming x;
 // 6: v5 as a programmatic dependent launch; 7: v6, or two rows per lane group where that makes
-// a call that needs two trips of v6's grid fit in one; 8: v7 with the first rows loaded before the
-// weights; 9: v8 with the fast division.
+// a call that needs two trips of v6's grid fit in one; 8: v7 with the fast division.
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
@@ -351,16 +315,13 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
   using RowIndex = std::conditional_t<kVersion >= 4, uint32_t, int64_t>;
   constexpr bool kStreaming = kVersion >= 5;
   constexpr bool kProgrammatic = kVersion >= 6;
-  // Wider heads (several vectors per lane) keep v7's order in v8: holding a lane's rows and its
-  // weights at once costs them registers (64 -> 71 at head_dim 512 bf16: 4 -> 3 blocks per SM).
-  constexpr bool kRowsBeforeWeights = kVersion >= 8 && Tr::kVecsPerThread == 1;
-  constexpr bool kFastDivision = kVersion >= 9;
-  constexpr auto kernel = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, kStreaming, kProgrammatic, 1,
-                                            kRowsBeforeWeights, kFastDivision>;
+  constexpr bool kFastDivision = kVersion >= 8;
+  constexpr auto kernel =
+      qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, kStreaming, kProgrammatic, 1, kFastDivision>;
   if constexpr (kVersion >= 7 && Tr::kVecsPerThread == 1) {
     using Tr7 = V3Traits<T, kHeadDim, kV7RowsPerGroup>;
     constexpr auto kernel7 = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, kStreaming, kProgrammatic,
-                                               kV7RowsPerGroup, kRowsBeforeWeights, kFastDivision>;
+                                               kV7RowsPerGroup, kFastDivision>;
     const int64_t one_trip_v6 = static_cast<int64_t>(persistent_grid_limit<kernel>(Tr::kThreadsPerBlock)) * Tr::kRowsPerBlock;
     const int64_t one_trip_v7 = static_cast<int64_t>(persistent_grid_limit<kernel7>(Tr7::kThreadsPerBlock)) * Tr7::kRowsPerBlock;
     if (rows > one_trip_v6 && rows <= one_trip_v7) {
@@ -404,8 +365,7 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 5: return launch_v3<T, kHfRounding, 5>(p, rows, stream);
     case 6: return launch_v3<T, kHfRounding, 6>(p, rows, stream);
     case 7: return launch_v3<T, kHfRounding, 7>(p, rows, stream);
-    case 8: return launch_v3<T, kHfRounding, 8>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding, 9>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 8>(p, rows, stream);
   }
 }
 
@@ -418,7 +378,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 9;
+constexpr int kNumVersions = 8;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& params, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

@@ -55,7 +55,7 @@ def test_one_to_two_trips_of_the_grid(impl, heads, head_dim, rounding, weight_of
 @pytest.mark.parametrize("impl", kernel_impls(OP))
 @pytest.mark.parametrize("heads", [(1, 1), (2, 1), (3, 1), (7, 5), (40, 8), (96, 32), (127, 1)], ids=str)
 def test_row_to_token_division(impl, heads):
-    """v9 divides rows by the head count with a host-computed magic number: every (token, head)
+    """v8 divides rows by the head count with a host-computed magic number: every (token, head)
     must land on its own row, for head counts that are and are not powers of two."""
     require(impl)
     inputs = contract.make_inputs(333, *heads, 128, torch.bfloat16, "cuda", seed=sum(heads), fused_qkv=True)

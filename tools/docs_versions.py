@@ -47,18 +47,17 @@ NAMED_KERNELS = {
 # Versions whose bf16 fused-rounding kernel the name pattern below cannot tell apart: version ->
 # that instantiation. qk_norm v4 to v6 are v3's kernel with a 32-bit row index (v5 streaming x,
 # v6 also a programmatic launch; v7 two rows per lane group, its kernel for one to two trips named;
-# v8 the rows before the weights, v9 also the fast division); cross_head_norm v5 is v4's dispatch with streaming kernels
+# v8 the fast row division); cross_head_norm v5 is v4's dispatch with streaming kernels
 # (v4's bulk-copy kernel named), v6 the same launched programmatically, v7 v6 with v3's kernel at
 # up to eight vectors per thread where the rows fill the GPU (the eight-vector kernel named; v8's
 # warp-per-token kernels come out of the pattern as one cell, per vectors per lane);
 # qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named).
 KERNEL_INSTANCES = {
-    "qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, false, false, 1, false, false>",
-                5: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, false, 1, false, false>",
-                6: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, false, false>",
-                7: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 2, false, false>",
-                8: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, true, false>",
-                9: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, true, true>"},
+    "qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, false, false, 1, false>",
+                5: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, false, 1, false>",
+                6: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, false>",
+                7: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 2, false>",
+                8: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, true>"},
     "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, false>",
                         6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>",
                         7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true>"},
