@@ -18,8 +18,12 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import config, cuda
-from numba.cuda import libdevice
+from numba.cuda import cgutils, libdevice, types
+from numba.cuda.core import targetconfig
+from numba.cuda.extending import intrinsic
+from numba.cuda.np.arrayobj import populate_array
 
 from kernels_numba import SIMULATOR
 
@@ -76,6 +80,43 @@ def _warp_sum_shared(v):
 #   good GPU practice (no barrier or shuffle inside a divergent branch).
 # The GPU adds in butterfly order, the simulator lane by lane: sums may differ in the last bit.
 warp_sum = _warp_sum_shared if SIMULATOR else _warp_sum_shuffle
+
+
+# --------------------------------------------------------------------------------------------
+# lane_group_sum
+# --------------------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _lane_group_sum_shuffle(v, width):
+    """GPU: a butterfly over offsets width/2 .. 1 only: lanes exchange within their own aligned
+    group of `width` lanes (xor with an offset below `width` never leaves it)."""
+    offset = width // 2
+    while offset > 0:
+        v += cuda.shfl_xor_sync(FULL_WARP_MASK, v, offset)
+        offset //= 2
+    return v
+
+
+@cuda.jit(device=True)
+def _lane_group_sum_shared(v, width):
+    """Simulator (no warp shuffles): as _warp_sum_shared, summing the `width` entries of this
+    thread's group."""
+    assert cuda.blockDim.x % WARP_SIZE == 0 and cuda.blockDim.x <= MAX_THREADS_PER_BLOCK
+    scratch = cuda.shared.array(MAX_THREADS_PER_BLOCK, np.float32)
+    tid = cuda.threadIdx.x
+    scratch[tid] = v
+    cuda.syncthreads()
+    group_first = tid - tid % width
+    total = np.float32(0.0)
+    for i in range(group_first, group_first + width):
+        total += scratch[i]
+    cuda.syncthreads()
+    return total
+
+
+# lane_group_sum(v, width): the sum of float32 `v` over each aligned group of `width` lanes of a
+# warp (width a power of two up to 32, the same in every lane; a build-time constant unrolls
+# it): for kernels that give each row a part of a warp. Same rules as warp_sum.
+lane_group_sum = _lane_group_sum_shared if SIMULATOR else _lane_group_sum_shuffle
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,7 +218,16 @@ rsqrt = _rsqrt_sim if SIMULATOR else _rsqrt_gpu
 @cuda.jit(device=True)
 def rstd_from(sum_sq, width, eps):
     """rsqrt(sum_sq / width + eps), or 0 where that is 0 (eps=0 zero rows stay 0, not NaN)."""
-    mean_sq_eps = sum_sq / width + eps
+    return rstd_from_mean(sum_sq / width, eps)
+
+
+@cuda.jit(device=True)
+def rstd_from_mean(mean_sq, eps):
+    """rsqrt(mean_sq + eps), or 0 where that is 0. For kernels that form the mean as
+    sum_sq * (1 / width), with the reciprocal from the host: one multiply instead of a float32
+    division (a reciprocal, a refinement and a slow-path check) per row, as torch's CUDA mean
+    does; it may differ from sum_sq / width in the last bit where width is not a power of two."""
+    mean_sq_eps = mean_sq + eps
     rstd = np.float32(0.0)
     if mean_sq_eps > 0:
         rstd = rsqrt(mean_sq_eps)
@@ -199,6 +249,47 @@ def warp_row(q, k):
     is_q = row < q_rows
     is_k = not is_q and row < q_rows + k.shape[0] * k.shape[1]
     return lane, row, q_rows, is_q, is_k
+
+
+# --------------------------------------------------------------------------------------------
+# contiguous_row(a, t, h): row a[t, h] of a [T, H, D] array whose last dim is contiguous
+# --------------------------------------------------------------------------------------------
+# A strided view (a fused-qkv slice) reaches a GPU kernel as an 'A'-layout array: Numba then
+# multiplies every index by the last dim's stride, a run-time value (a 64-bit multiply and add
+# per access), so the compiler cannot fold a slot's constant offset into the load or store.
+# Every op's contract makes that last dim contiguous, so a kernel may say so: the row comes back
+# as a 'C' array starting at a[t, h], and x[c + 32] is the address of x[c] plus 128 bytes, an
+# immediate of the load. (The row's pointer is derived from the argument's, so loads are global
+# ones where the compiler can trace a row to one argument; a row picked between q and k at run
+# time still gets generic loads, at the same instruction count.)
+if not SIMULATOR:
+    @intrinsic
+    def contiguous_row(typingctx, a, t, h):
+        """GPU: a[t, h] as a 1-D 'C' array (the caller vouches that a's last stride is its itemsize)."""
+        if not (isinstance(a, types.Array) and a.ndim == 3 and isinstance(t, types.Integer)
+                and isinstance(h, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            array_type, t_type, h_type = sig.args
+            src = context.make_array(array_type)(context, builder, value=args[0])
+            t = context.cast(builder, args[1], t_type, types.intp)
+            h = context.cast(builder, args[2], h_type, types.intp)
+            shape = cgutils.unpack_tuple(builder, src.shape, 3)
+            strides = cgutils.unpack_tuple(builder, src.strides, 3)
+            offset = builder.add(builder.mul(t, strides[0]), builder.mul(h, strides[1]))  # bytes
+            first = builder.gep(builder.bitcast(src.data, ir.IntType(8).as_pointer()), [offset], inbounds=True)
+            row = context.make_array(sig.return_type)(context, builder)
+            populate_array(row, data=builder.bitcast(first, src.data.type), shape=(shape[2],),
+                           strides=(src.itemsize,), itemsize=src.itemsize, meminfo=src.meminfo, parent=src.parent)
+            return row._getvalue()
+
+        return types.Array(a.dtype, 1, "C")(a, t, h), codegen
+else:
+    @cuda.jit(device=True)
+    def contiguous_row(a, t, h):
+        """Simulator: a[t, h] (a NumPy view; NumPy handles any stride)."""
+        return a[t, h]
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,6 +417,82 @@ else:
     BF16 = Codec("bfloat16", _bf16_decode_bits, _bf16_encode_bits, _bf16_round_to)
 
 CODECS = {codec.name: codec for codec in (FP32, FP16, BF16)}
+
+
+# --------------------------------------------------------------------------------------------
+# bfloat16 pairs as 32-bit words. A bf16 tensor viewed as int32 (`t.view(torch.int32)`) holds two
+# neighbouring columns per word, column 2u in the low 16 bits and 2u + 1 in the high 16 bits, so
+# a kernel moves two elements per load and store. The word travels as an int32 on the GPU and
+# under the simulator alike (NumPy knows int32), so the same code runs on both.
+# --------------------------------------------------------------------------------------------
+BF16_HIGH_MASK = F32_BITS_MASK ^ BF16_BITS_MASK  # 0xFFFF0000: the high column, already in place
+
+
+@cuda.jit(device=True)
+def bf16x2_decode(word):
+    """(lo, hi): the two bfloat16 columns of an int32 word as float32 (exact). A bfloat16 is the
+    top half of a float32: lo moves up 16 bits, hi is masked in place; no rounding, NaN kept."""
+    bits = np.int64(word) & F32_BITS_MASK  # the word as 32 unsigned bits
+    return bits_float((bits << BF16_SHIFT) & F32_BITS_MASK), bits_float(bits & BF16_HIGH_MASK)
+
+
+@cuda.jit(device=True)
+def _bf16_rounded_high(v):
+    """float32 `v` rounded to bfloat16 in place: the float32 bits with the bf16 in the high 16
+    (round to nearest even as `_bf16_bits`, NaN -> quiet NaN) and garbage in the low 16.
+    The uint32 cast lets the compiler add in 32 bits; nothing is lost, no non-NaN carries past
+    bit 31 (the largest, -inf, is 0xFF800000)."""
+    if v != v:
+        return np.uint32(BF16_QUIET_NAN << BF16_SHIFT)
+    bits = float_bits(v)
+    return np.uint32(bits + BF16_HALF_ULP + ((bits >> BF16_SHIFT) & 1))
+
+
+@cuda.jit(device=True)
+def bf16x2_encode_int(lo, hi):
+    """float32 lo, hi -> the int32 word of their bfloat16 values, lo in the low 16 bits, each
+    rounded to nearest even (NaN -> quiet NaN) as `BF16.encode` rounds one element, in integer
+    arithmetic (about 13 instructions a word). The int32 is the word's 32 bits (words from
+    0x80000000 on are negative)."""
+    return np.int32((_bf16_rounded_high(hi) & BF16_HIGH_MASK) | (_bf16_rounded_high(lo) >> BF16_SHIFT))
+
+
+BF16X2_CVT_CC = (8, 0)  # the first GPUs with cvt.rn.bf16x2.f32
+
+
+@intrinsic
+def _bf16x2_encode_gpu(typingctx, lo, hi):
+    """GPU: bf16x2_encode_int's word in one instruction, `cvt.rn.bf16x2.f32` (round to nearest
+    even, NaN -> a quiet NaN; what CUDA C's __floats2bfloat162_rn compiles to), on GPUs that have
+    it; older GPUs get bf16x2_encode_int's integer arithmetic. The choice is made per compiled
+    kernel, from the compute capability it is compiled for (as Numba's own fastmath tanh does)."""
+    if not (isinstance(lo, types.Float) and isinstance(hi, types.Float)):
+        return None
+    sig = types.int32(types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        lo, hi = (context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args))
+        if targetconfig.ConfigStack().top().compute_capability >= BF16X2_CVT_CC:
+            f32 = ir.FloatType()
+            cvt = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [f32, f32]), "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(cvt, [hi, lo])  # the first operand goes to the high half
+        return context.compile_internal(builder, lambda lo, hi: bf16x2_encode_int(lo, hi), sig, [lo, hi])
+
+    return types.int32(lo, hi), codegen
+
+
+# bf16x2_encode(lo, hi): float32 lo, hi -> their bfloat16 pair as one int32 word (lo in the low
+# 16 bits). The simulator runs the integer version (NaN -> 0x7FC0, as torch's CPU conversion);
+# a GPU from sm_80 on converts the pair in one instruction (NaN -> the canonical 0x7FFF).
+bf16x2_encode = bf16x2_encode_int if SIMULATOR else _bf16x2_encode_gpu
+
+
+@cuda.jit(device=True)
+def bf16_round_to(v):
+    """float32 `v` rounded to bfloat16 and back (as BF16.round_to) through bf16x2_encode: with
+    lo = 0 the word is the rounded value's float32 bits, so a GPU from sm_80 on needs one
+    conversion instruction where the integer rounding needs a dozen."""
+    return bits_float(bf16x2_encode(np.float32(0.0), v))
 
 
 # --------------------------------------------------------------------------------------------

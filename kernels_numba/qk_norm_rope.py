@@ -1,8 +1,11 @@
-"""Numba kernels of `qk_norm_rope`: one warp per (token, head), norm then rope, one pass.
+"""Numba kernels of `qk_norm_rope`: lanes per (token, head) row, norm then rope, one pass.
 
 v1 (`qk_norm_rope`, below) keeps the CUDA C v1-v3 mapping: lane l owns columns l, l + 32, ...
 and fetches each rotation partner from the lane that holds it. v2 (`qk_norm_rope_v2`) lets lanes
 own whole pairs instead (no partner shuffles, cos/sin read once per pair); see its factory.
+v3 (`qk_norm_rope_v3`) runs v2's algorithm on bf16 rows read and written as 32-bit words (two
+columns per load and store), a row on part of a warp, with far fewer instructions around each
+element; see its factory. v1 and v2 give each row a whole warp.
 
 v1 mapping. grid.x: blocks of WARPS_PER_BLOCK warps; one warp per (token, head) row, numbered as
 in `kernels_numba.qk_norm` (q rows first, then k rows). Lane l owns the elements of slots
@@ -30,12 +33,15 @@ from kernels_numba import _compat  # noqa: F401  (before Numba compiles anything
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
+import torch
 from numba import cuda
 
-from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, WARP_SIZE, launch, rstd_from, warp_row, warp_shfl,
-                                   warp_sum)
+from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, WARP_SIZE, bf16_round_to, bf16x2_decode,
+                                   bf16x2_encode, contiguous_row, lane_group_sum, launch, rstd_from, rstd_from_mean,
+                                   warp_row, warp_shfl, warp_sum)
 
 WARPS_PER_BLOCK = 4  # rows per block
 THREADS = WARP_SIZE * WARPS_PER_BLOCK
@@ -276,6 +282,212 @@ def qk_norm_rope_v2(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, wei
     """v2, in place on checked `[T, H, D]` tensors (one dtype and device); returns nothing."""
     _launch(make_qk_norm_rope_kernel_v2, (head_dim_bucket(q.shape[2]),), q, k, q_weight, k_weight, cos_sin_cache,
             positions, eps, weight_offset, rounding, is_neox, rope_dim, position_offset)
+
+
+# --------------------------------------------------------------------------------------------
+# v3: bf16 rows as 32-bit words
+# --------------------------------------------------------------------------------------------
+# How v3 reads the weights and the cos/sin cache: as bf16 words (an int32 view, like the rows) or
+# as float32. pair(t, u) is elements (2u, 2u + 1), word u of a bf16 table; element(t, c) is one.
+class Table(NamedTuple):
+    name: str
+    pair: object
+    element: object
+
+
+@cuda.jit(device=True)
+def _float_pair(t, u):
+    return np.float32(t[2 * u]), np.float32(t[2 * u + 1])
+
+
+@cuda.jit(device=True)
+def _float_element(t, c):
+    return np.float32(t[c])
+
+
+@cuda.jit(device=True)
+def _word_pair(t, u):
+    return bf16x2_decode(t[u])
+
+
+@cuda.jit(device=True)
+def _word_element(t, c):
+    """Element c: the low (even c) or high (odd c) half of word c // 2."""
+    lo, hi = bf16x2_decode(t[c // 2])
+    return hi if c % 2 else lo
+
+
+FLOAT_TABLE = Table("float32", _float_pair, _float_element)
+WORD_TABLE = Table("bfloat16 words", _word_pair, _word_element)
+TABLE_OF = {torch.float32: FLOAT_TABLE, torch.bfloat16: WORD_TABLE}
+WORDS_PER_LANE = 4  # v3: words of a row per lane (16 bytes, as a CUDA C vector); more from head_dim 512 on
+
+
+def row_lanes(max_head_dim):
+    """v3's lanes per row for a head_dim bucket: WORDS_PER_LANE words each, at most a warp."""
+    return min(WARP_SIZE, max_head_dim // (2 * WORDS_PER_LANE))
+
+
+@functools.cache
+def make_qk_norm_rope_kernel_v3(weight, cache, is_neox, hf, max_head_dim):
+    """v3: v2 on 32-bit words, with lanes sized to the head. Rows are int32 views `[T, H, D/2]`
+    of bf16 q and k: word u holds columns 2u (low 16 bits) and 2u + 1 (high 16 bits); one load
+    and one store move two columns, `bf16x2_decode`/`bf16x2_encode` turn a word into two float32
+    and back.
+
+    grid.x: token t; grid.y: groups of heads of that token (q's heads, then k's), so no division
+    finds a row's token and head. A row has ROW_LANES lanes (`row_lanes`: 16 at head_dim 128, a
+    warp from 256 on), so a warp holds 32 / ROW_LANES rows and issues each instruction of the
+    per-row work (ids, the sum's reduction, rstd, the cache row) once for all of them. Lane l of
+    a row owns words c = l + ROW_LANES j (j < WORD_SLOTS, a build-time count for the head_dim
+    bucket, masked at head_dim):
+    * interleaved: rotation pair c is exactly word c (c < rope_dim / 2): cos_c and sin_c are
+      elements c and rope_dim / 2 + c of the cache row;
+    * NeoX (rope_dim % 4 == 0): word c < rope_dim / 4 holds columns 2c, 2c + 1 and word
+      c + rope_dim / 4 their partners 2c + rope_dim / 2, 2c + 1 + rope_dim / 2: the lane takes
+      both words, two rotation pairs, with cos at 2c, 2c + 1 (cache word c) and sin at
+      rope_dim / 2 + 2c, + 1 (cache word rope_dim / 4 + c); the partner word's own lane skips it;
+    * words from rope_dim / 2 on pass through, normalized.
+
+    The layout (is_neox), the rounding (hf) and the tables' storage are fixed at build time, so
+    the kernel holds one path. Index arithmetic starts from unsigned 32-bit ids, so the compiler
+    can see every index is >= 0 and drops Python's negative-index wraparound from each access;
+    `contiguous_row` lets it fold each slot's offset into the load and store. An out-of-range
+    position normalizes its rotated words with rstd = NaN (the contract's NaN, no branch per
+    element) and reads cache row 0 instead."""
+    ROW_LANES = row_lanes(max_head_dim)
+    WORD_SLOTS = max_head_dim // (2 * ROW_LANES)
+    # Slots that may hold a word whose lane rotates it: NeoX's lead words are < rope_dim / 4.
+    LEAD_SLOTS = -(-max_head_dim // (4 * ROW_LANES)) if is_neox else WORD_SLOTS
+    round_to = bf16_round_to
+    load_w, load_c = weight.pair, cache.pair
+    load_c_element = cache.element
+
+    @cuda.jit(device=True)
+    def normed(v, w, rstd, weight_offset):
+        """n = x * rstd * (w + weight_offset): unrounded (fused) or in the HF order."""
+        if hf:
+            return round_to(round_to(v * rstd) * round_to(w + weight_offset))
+        return v * rstd * (w + weight_offset)
+
+    @cuda.jit(device=True)
+    def rotated(own, partner, cos, signed_sin):
+        """own * cos + partner * signed_sin: unrounded (fused) or each step rounded (HF order)."""
+        if hf:
+            return round_to(round_to(own * round_to(cos)) + round_to(partner * round_to(signed_sin)))
+        return own * cos + partner * signed_sin
+
+    @cuda.jit
+    def qk_norm_rope_kernel_v3(q, k, q_w, k_w, cos_sin_cache, positions, eps, weight_offset, rope_dim,
+                               position_offset, inv_head_dim):
+        tid = np.uint32(cuda.threadIdx.x)
+        lane = tid % ROW_LANES
+        t = np.uint32(cuda.blockIdx.x)
+        head = np.uint32(cuda.blockIdx.y) * (np.uint32(cuda.blockDim.x) // ROW_LANES) + tid // ROW_LANES
+        q_heads, k_heads = q.shape[1], k.shape[1]
+        active = head < q_heads + k_heads  # rows past the last head keep a dummy row, store nothing
+        x, w = contiguous_row(q, t, 0), q_w
+        if head < q_heads:
+            x = contiguous_row(q, t, head)
+        elif active:
+            x, w = contiguous_row(k, t, head - q_heads), k_w
+        row_words = q.shape[2]
+        rope_words = np.uint32(rope_dim) // 2
+        quarter = rope_words // 2  # NeoX: word c < quarter pairs with word c + quarter
+        lead_words = quarter if is_neox else rope_words  # rotated words whose lane rotates them
+
+        # 1. Read this lane's words, NeoX partners too, and add up x^2.
+        lo = cuda.local.array(WORD_SLOTS, np.float32)
+        hi = cuda.local.array(WORD_SLOTS, np.float32)
+        partner_lo = cuda.local.array(LEAD_SLOTS, np.float32)
+        partner_hi = cuda.local.array(LEAD_SLOTS, np.float32)
+        sum_sq = np.float32(0.0)
+        for j in range(WORD_SLOTS):
+            c = lane + j * ROW_LANES
+            # this lane's words: a lead word (rotated here, NeoX with its partner) or a pass-through one
+            if active and c < row_words and ((j < LEAD_SLOTS and c < lead_words) or c >= rope_words):
+                lo[j], hi[j] = bf16x2_decode(x[c])
+                sum_sq += lo[j] * lo[j]
+                sum_sq += hi[j] * hi[j]
+                if is_neox and j < LEAD_SLOTS and c < quarter:
+                    partner_lo[j], partner_hi[j] = bf16x2_decode(x[c + quarter])
+                    sum_sq += partner_lo[j] * partner_lo[j]
+                    sum_sq += partner_hi[j] * partner_hi[j]
+        # every thread gets here (no early return); 1 / head_dim comes from the host: no division
+        rstd = rstd_from_mean(lane_group_sum(sum_sq, ROW_LANES) * inv_head_dim, eps)
+
+        # This token's cos/sin row; out of range, row 0 is read and the rotation gets rstd = NaN.
+        # As unsigned, a negative position is out of range too: one comparison.
+        p = np.uint64(np.int64(positions[t]) + position_offset)
+        in_range = p < np.uint64(cos_sin_cache.shape[0])
+        cos_sin = cos_sin_cache[p if in_range else np.uint64(0)]
+        rope_rstd = rstd if in_range else np.float32(math.nan)
+
+        # 2. Normalize, rotate, write back one word per store.
+        if active:
+            for j in range(WORD_SLOTS):
+                c = lane + j * ROW_LANES
+                if j < LEAD_SLOTS and c < lead_words:
+                    w_lo, w_hi = load_w(w, c)
+                    a_lo = normed(lo[j], w_lo, rope_rstd, weight_offset)
+                    a_hi = normed(hi[j], w_hi, rope_rstd, weight_offset)
+                    if is_neox:  # pairs (2c, 2c + half) and (2c + 1, 2c + 1 + half)
+                        wb_lo, wb_hi = load_w(w, c + quarter)
+                        b_lo = normed(partner_lo[j], wb_lo, rope_rstd, weight_offset)
+                        b_hi = normed(partner_hi[j], wb_hi, rope_rstd, weight_offset)
+                        cos_lo, cos_hi = load_c(cos_sin, c)
+                        sin_lo, sin_hi = load_c(cos_sin, quarter + c)
+                        x[c] = bf16x2_encode(rotated(a_lo, b_lo, cos_lo, -sin_lo),  # a' = a cos - b sin
+                                             rotated(a_hi, b_hi, cos_hi, -sin_hi))
+                        x[c + quarter] = bf16x2_encode(rotated(b_lo, a_lo, cos_lo, sin_lo),  # b' = b cos + a sin
+                                                       rotated(b_hi, a_hi, cos_hi, sin_hi))
+                    else:  # pair (2c, 2c + 1): a' = a cos - b sin, b' = b cos + a sin
+                        cos = load_c_element(cos_sin, c)
+                        sin = load_c_element(cos_sin, rope_words + c)
+                        x[c] = bf16x2_encode(rotated(a_lo, a_hi, cos, -sin), rotated(a_hi, a_lo, cos, sin))
+                elif rope_words <= c < row_words:
+                    w_lo, w_hi = load_w(w, c)
+                    x[c] = bf16x2_encode(normed(lo[j], w_lo, rstd, weight_offset),
+                                         normed(hi[j], w_hi, rstd, weight_offset))
+
+    return qk_norm_rope_kernel_v3
+
+
+def _has_word_view(t):
+    """Whether bf16 `t` can be viewed as int32 words (torch's rule: an even storage offset and
+    every stride but the last, contiguous one even; the last size is even by the contract)."""
+    return t.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in t.stride()[:-1])
+
+
+def qk_norm_rope_v3(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox,
+                    rope_dim, position_offset):
+    """v3, in place on checked `[T, H, D]` tensors (one dtype and device); returns nothing.
+
+    Runs v2 instead where the word path cannot apply: activations not bf16; NeoX with rope_dim
+    not a multiple of 4 (a word would hold one rotated and one partnerless column); or a bf16
+    q, k, weight or cache that has no int32 view (an odd storage offset or token/head stride,
+    e.g. a fused-qkv view starting at an odd column)."""
+    if q_weight.dtype != k_weight.dtype:  # one in the activation dtype, one float32: rare
+        q_weight, k_weight = q_weight.float(), k_weight.float()
+    bf16 = [t for t in (q, k, q_weight, k_weight, cos_sin_cache) if t.dtype == torch.bfloat16]
+    if q.dtype != torch.bfloat16 or (is_neox and rope_dim % 4) or not all(_has_word_view(t) for t in bf16):
+        qk_norm_rope_v2(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox,
+                        rope_dim, position_offset)
+        return
+    tokens, heads = q.shape[0], q.shape[1] + k.shape[1]
+    if tokens * heads == 0:
+        return
+    bucket = head_dim_bucket(q.shape[2])
+    kernel = make_qk_norm_rope_kernel_v3(TABLE_OF[q_weight.dtype], TABLE_OF[cos_sin_cache.dtype], bool(is_neox),
+                                         rounding == "hf", bucket)
+    # THREADS per block, fewer where a token has fewer heads (a tiny launch keeps its block small)
+    threads = min(THREADS, -(-heads * row_lanes(bucket) // WARP_SIZE) * WARP_SIZE)
+    head_groups = -(-heads // (threads // row_lanes(bucket)))
+    tensors = (q, k, q_weight, k_weight, cos_sin_cache)
+    words = [t.view(torch.int32) if t.dtype == torch.bfloat16 else t for t in tensors]
+    scalars = (np.float32(eps), np.float32(weight_offset), np.uint32(rope_dim), np.int64(position_offset),
+               np.float32(1.0 / q.shape[2]))
+    launch(kernel, (tokens, head_groups), threads, (*words, positions), scalars)
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox, rope_dim,

@@ -1,4 +1,5 @@
-"""The shared Numba device helpers: warp_sum and the storage codecs, against torch.
+"""The shared Numba device helpers: warp and lane-group sums, the storage codecs and the bf16 word
+codec against torch, contiguous_row.
 
 Tiny launches: under the simulator (tests/conftest.py turns it on without a GPU) every CUDA
 thread is a Python thread. The same tests run as real kernels on a GPU.
@@ -10,7 +11,8 @@ import torch
 from numba import cuda
 
 from kernels_numba import SIMULATOR
-from kernels_numba.helpers import BF16, FP16, WARP_SIZE, rsqrt, warp_sum
+from kernels_numba.helpers import (BF16, FP16, WARP_SIZE, bf16_round_to, bf16x2_decode, bf16x2_encode,
+                                   bf16x2_encode_int, contiguous_row, lane_group_sum, rsqrt, warp_sum)
 
 WARPS = 2
 THREADS = WARPS * WARP_SIZE
@@ -131,3 +133,140 @@ def test_rsqrt_matches_torch_on_the_same_device():
     device = "cpu" if SIMULATOR else "cuda"
     want = torch.rsqrt(torch.from_numpy(v).to(device)).cpu().numpy()
     np.testing.assert_array_equal(_bits(out), _bits(want))
+
+
+# ------------------------------------------------------------------------------------------
+# bfloat16 pairs as 32-bit words (bf16x2_decode / bf16x2_encode): word = lo | hi << 16, as a bf16
+# tensor viewed as int32 holds columns 2u and 2u + 1.
+# ------------------------------------------------------------------------------------------
+ALL_BF16 = np.arange(1 << 16, dtype=np.uint32)  # every bfloat16 bit pattern
+
+
+def _words(lo_bits, hi_bits):
+    return (lo_bits.astype(np.uint32) | (hi_bits.astype(np.uint32) << 16)).view(np.int32)
+
+
+def _bf16_bits_of(v):
+    """torch's bfloat16 of float32 `v`, as bits (np.uint32)."""
+    bits = torch.from_numpy(np.ascontiguousarray(v)).to(torch.bfloat16).view(torch.int16).numpy()
+    return bits.view(np.uint16).astype(np.uint32)
+
+
+@cuda.jit
+def _decode_kernel(words, lo, hi):
+    for i in range(cuda.threadIdx.x, words.shape[0], cuda.blockDim.x):
+        lo[i], hi[i] = bf16x2_decode(words[i])
+
+
+def test_bf16x2_decode_every_pattern_exactly():
+    """Every bf16 value in both halves (hi runs through them in another order): decoded as torch
+    widens bf16, bit for bit (NaN payloads included: widening is exact)."""
+    hi_bits = ALL_BF16[::-1] ^ 0x5A5A
+    words = _words(ALL_BF16, hi_bits)
+    lo, hi = np.zeros(words.shape, np.float32), np.zeros(words.shape, np.float32)
+    _decode_kernel[1, THREADS](words, lo, hi)
+    for got, bits in ((lo, ALL_BF16), (hi, hi_bits)):
+        want = torch.from_numpy(bits.astype(np.uint16).view(np.int16)).view(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def _make_encode_kernel(encode):
+    @cuda.jit
+    def kernel(lo, hi, words):
+        for i in range(cuda.threadIdx.x, lo.shape[0], cuda.blockDim.x):
+            words[i] = encode(lo[i], hi[i])
+
+    return kernel
+
+
+ENCODERS = {"bf16x2_encode": _make_encode_kernel(bf16x2_encode),
+            "bf16x2_encode_int": _make_encode_kernel(bf16x2_encode_int)}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # -> inf, on purpose
+@pytest.mark.parametrize("encoder", ENCODERS)
+def test_bf16x2_encode_matches_torch(encoder):
+    """Ties both ways, overflow to inf, subnormals, signed zeros, infinities, NaN and random
+    float32 in both halves: each half as torch rounds to bfloat16 (NaN: any NaN)."""
+    lo = _test_values(torch.bfloat16, seed=3)
+    hi = np.roll(lo, 7)
+    words = np.zeros(lo.shape, np.int32)
+    ENCODERS[encoder][1, THREADS](lo, hi, words)
+    bits = words.view(np.uint32)
+    for got, v in ((bits & 0xFFFF, lo), (bits >> 16, hi)):
+        want = _bf16_bits_of(v)
+        nan = np.isnan(v)
+        got_nan = ((got & 0x7F80) == 0x7F80) & ((got & 0x7F) != 0)
+        np.testing.assert_array_equal(got_nan, nan)
+        np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("encoder", ENCODERS)
+def test_bf16x2_round_trip_every_pattern(encoder):
+    """decode then encode gives every non-NaN word back (bf16 values are exact in float32)."""
+    hi_bits = (ALL_BF16 * 40503) & 0xFFFF  # an odd multiplier: another order of every pattern
+    words = _words(ALL_BF16, hi_bits)
+    lo, hi = np.zeros(words.shape, np.float32), np.zeros(words.shape, np.float32)
+    _decode_kernel[1, THREADS](words, lo, hi)
+    again = np.zeros_like(words)
+    ENCODERS[encoder][1, THREADS](lo, hi, again)
+    keep = ~(np.isnan(lo) | np.isnan(hi))
+    np.testing.assert_array_equal(again[keep], words[keep])
+
+
+_ROUND_BF16_VIA_PAIR = _make_round_kernel(bf16_round_to)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_bf16_round_to_through_the_pair_matches_torch():
+    v = _test_values(torch.bfloat16, seed=4)
+    out = np.zeros_like(v)
+    _ROUND_BF16_VIA_PAIR[1, WARP_SIZE](v, out)
+    want = torch.from_numpy(v).to(torch.bfloat16).float().numpy()
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(_bits(out[~nan]), _bits(want[~nan]))
+
+
+# ------------------------------------------------------------------------------------------
+# lane_group_sum and contiguous_row
+# ------------------------------------------------------------------------------------------
+@cuda.jit
+def _lane_group_sum_kernels(v, out1, out2, out4, out8, out16, out32):
+    tid = cuda.threadIdx.x
+    out1[tid] = lane_group_sum(v[tid], 1)
+    out2[tid] = lane_group_sum(v[tid], 2)
+    out4[tid] = lane_group_sum(v[tid], 4)
+    out8[tid] = lane_group_sum(v[tid], 8)
+    out16[tid] = lane_group_sum(v[tid], 16)
+    out32[tid] = lane_group_sum(v[tid], 32)
+
+
+def test_lane_group_sum_gives_every_lane_its_groups_sum():
+    v = np.arange(THREADS, dtype=np.float32) ** 2  # small integers: every order sums exactly
+    outs = [np.zeros_like(v) for _ in range(6)]
+    _lane_group_sum_kernels[1, THREADS](v, *outs)
+    for width, out in zip((1, 2, 4, 8, 16, 32), outs):
+        np.testing.assert_array_equal(out, np.repeat(v.reshape(-1, width).sum(axis=1), width), err_msg=f"{width=}")
+
+
+@cuda.jit
+def _contiguous_row_kernel(a, out):
+    """Copies rows of a strided view of `a` (heads 1.., as a fused-qkv slice) through contiguous_row."""
+    view = a[:, 1:, :]
+    t, h = cuda.blockIdx.x, cuda.threadIdx.x
+    if h < view.shape[1]:
+        row = contiguous_row(view, t, h)
+        for c in range(row.shape[0]):
+            out[t, h, c] = row[c]
+        row[0] = -row[0]  # writes land in `a`
+
+
+def test_contiguous_row_reads_and_writes_a_strided_view():
+    a = np.arange(3 * 5 * 6, dtype=np.int32).reshape(3, 5, 6)
+    before = a.copy()
+    out = np.zeros((3, 4, 6), np.int32)
+    _contiguous_row_kernel[3, WARP_SIZE](a, out)
+    np.testing.assert_array_equal(out, before[:, 1:, :])
+    before[:, 1:, 0] *= -1
+    np.testing.assert_array_equal(a, before)

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cookbook
+from cookbook import registry
 from cookbook.ops import qk_norm as norm_contract
 from cookbook.ops import qk_norm_rope as contract
 from cookbook.testing import agreement
@@ -50,6 +51,7 @@ def case_strategy():
             fp32_weight=st.booleans(),
             fp32_cache=st.booleans(),
             fused_qkv=st.booleans(),
+            odd_offset=st.booleans(),
             kind=st.sampled_from(contract.INPUT_KINDS),
             rounding=st.sampled_from(["fused", "hf"]),
             weight_offset=st.sampled_from([0.0, 1.0]),
@@ -63,12 +65,28 @@ def case_strategy():
 
 def build(shape, case):
     tokens, hq, hk, head_dim, rope_dim = shape
-    return contract.make_inputs(
+    inputs = contract.make_inputs(
         tokens, hq, hk, head_dim, rope_dim, case["is_neox"], case["dtype"], DEVICE, seed=case["seed"],
         fused_qkv=case["fused_qkv"], weight_dtype=torch.float32 if case["fp32_weight"] else None, kind=case["kind"],
         cache_dtype=torch.float32 if case["fp32_cache"] else case["dtype"], position_dtype=case["position_dtype"],
         position_offset=case["position_offset"],
     )
+    if case["fused_qkv"] and case["odd_offset"]:
+        inputs["q"], inputs["k"] = _views_at_odd_offset(inputs["q"], inputs["k"])
+    return inputs
+
+
+def _views_at_odd_offset(q, k):
+    """q and k copied into one buffer one element in, as views: odd storage offsets and an odd
+    token stride (a 16-bit q cannot be read as 32-bit words there)."""
+    tokens, hq, head_dim = q.shape
+    hk = k.shape[1]
+    buffer = torch.zeros(tokens, 1 + (hq + hk) * head_dim + 2, dtype=q.dtype, device=q.device)
+    q_view = buffer[:, 1 : 1 + hq * head_dim].view(tokens, hq, head_dim)
+    k_view = buffer[:, 1 + hq * head_dim : 1 + (hq + hk) * head_dim].view(tokens, hk, head_dim)
+    q_view.copy_(q)
+    k_view.copy_(k)
+    return q_view, k_view
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
@@ -119,6 +137,56 @@ def test_misaligned_views_leave_v_alone(impl):
     v_before = qkv[:, (hq + hk) * head_dim :].clone()
     run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding="fused")
     assert torch.equal(qkv[:, (hq + hk) * head_dim :], v_before), "v (the rest of qkv) was modified"
+
+
+# ------------------------------------------------------------------------------------------
+# numba_v3 reads bf16 rows as 32-bit words where it can and runs v2 elsewhere: each case checks
+# which path ran, then the result (the property test above may not draw every case).
+# ------------------------------------------------------------------------------------------
+V3_CASES = [
+    # (id, dtype, head_dim, rope_dim, is_neox, weight dtype, cache dtype, rounding, at an odd offset, word path)
+    ("neox-full", torch.bfloat16, 64, 64, True, None, torch.float32, "fused", (), True),
+    ("neox-partial-bf16-cache", torch.bfloat16, 64, 40, True, None, torch.bfloat16, "hf", (), True),
+    ("neox-head-dim-96", torch.bfloat16, 96, 48, True, torch.float32, torch.float32, "fused", (), True),
+    ("interleaved-bf16-cache", torch.bfloat16, 64, 64, False, None, torch.bfloat16, "fused", (), True),
+    ("interleaved-odd-half", torch.bfloat16, 64, 10, False, torch.float32, torch.float32, "hf", (), True),
+    ("interleaved-head-dim-256", torch.bfloat16, 256, 96, False, None, torch.float32, "fused", (), True),
+    ("neox-rope-not-4k", torch.bfloat16, 64, 42, True, None, torch.float32, "fused", (), False),
+    ("odd-offset-q-k", torch.bfloat16, 64, 64, False, None, torch.float32, "fused", ("q", "k"), False),
+    ("odd-offset-weights", torch.bfloat16, 64, 64, True, None, torch.float32, "fused", ("q_weight", "k_weight"), False),
+    ("odd-offset-cache", torch.bfloat16, 64, 64, False, None, torch.bfloat16, "fused", ("cos_sin_cache",), False),
+    ("float16", torch.float16, 64, 64, True, None, torch.float32, "fused", (), False),
+]
+
+
+def _at_odd_offset(t):
+    """A copy of contiguous `t` one element into a larger buffer: the same values at an odd storage offset."""
+    buffer = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buffer[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("case", V3_CASES, ids=lambda c: c[0])
+def test_numba_v3_word_path_and_fallbacks(case, monkeypatch):
+    impl = registry.get(OP, "numba_v3")
+    require(impl)
+    import kernels_numba.qk_norm_rope as numba_kernels
+
+    _, dtype, head_dim, rope_dim, is_neox, weight_dtype, cache_dtype, rounding, odd, word_path = case
+    v2_calls = []
+    v2 = numba_kernels.qk_norm_rope_v2
+    monkeypatch.setattr(numba_kernels, "qk_norm_rope_v2", lambda *args: v2_calls.append(1) or v2(*args))
+    # 4 q + 2 k heads as fused-qkv views: at head_dim 64 one block of two warps holds 8 rows (2
+    # idle), at 256 a row is a warp and a token has two head groups
+    inputs = contract.make_inputs(2, 4, 2, head_dim, rope_dim, is_neox, dtype, DEVICE, seed=11, fused_qkv=True,
+                                  weight_dtype=weight_dtype, cache_dtype=cache_dtype, position_offset=1)
+    if "q" in odd:
+        inputs["q"], inputs["k"] = _views_at_odd_offset(inputs["q"], inputs["k"])
+    for name in set(odd) - {"q", "k"}:
+        inputs[name] = _at_odd_offset(inputs[name])
+    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=1.0, rounding=rounding)
+    assert bool(v2_calls) != word_path, "ran v2" if v2_calls else "ran the word path"
 
 
 # ------------------------------------------------------------------------------------------
