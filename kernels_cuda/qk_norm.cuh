@@ -16,6 +16,7 @@
 // v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 // v7: v6 where a call's rows need more than one trip of v6's resident grid but fit in one when each lane group takes two rows: both rows' loads are issued before either is reduced - removes v6's second serial DRAM round trip at mid-size batches (about 180 to 350 tokens of 72 heads on an H200)
 // v8: v7 with the row -> (token, head) division done by a multiply-high with a magic number the host computes once per launch - removes the ~20-instruction 32-bit division from every row of every lane
+// v9: v8 with, where a call's rows fit in one trip of the grid (decode), a one-trip kernel: a lane group requests its row, then only that row's weight (q's or k's) as 16-byte vectors - removes the loop, the second weight's loads and the q/k select from a decode call's critical path
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -162,6 +163,13 @@ struct V3Traits {
   static_assert(kRowsPerGroup >= 1, "a lane group takes at least one row per trip");
 };
 
+// Column of element j of vector i of lane `lane` of a row's group: vectors interleave across the
+// group's lanes so that one load instruction of the group covers contiguous memory.
+template <typename Tr>
+__device__ __forceinline__ int lane_column(int lane, int i, int j) {
+  return (i * Tr::kThreadsPerHead + lane) * Tr::kVecElems + j;
+}
+
 // v3 divides with RowIndex = int64_t; v4 (below) is this kernel with RowIndex = uint32_t, v5 with
 // RowIndex = uint32_t and kStreaming, v6 with kProgrammatic too, v7 launches it with kRowsPerGroup
 // = 2 where that pays, v8 with kFastDivision too.
@@ -174,9 +182,7 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock, kRows
   const int lane = threadIdx.x % Tr::kThreadsPerHead;  // lane within its head group
   const int head_in_block = threadIdx.x / Tr::kThreadsPerHead;
 
-  // Column of element j of vector i of this lane: vectors interleave across the group's lanes
-  // so that one load instruction of the group covers contiguous memory.
-  auto column = [&](int i, int j) { return (i * Tr::kThreadsPerHead + lane) * Tr::kVecElems + j; };
+  auto column = [&](int i, int j) { return lane_column<Tr>(lane, i, j); };
 
   float w_q[Tr::kElemsPerThread], w_k[Tr::kElemsPerThread];
 #pragma unroll
@@ -279,6 +285,94 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock, kRows
 // tokens the SMs issue for about as long as DRAM takes to move the bytes, so fewer instructions
 // per row show there. Measured on the H200: docs/qk_norm.md.
 // ------------------------------------------------------------------------------------------
+// v9: v8 with, where a call's rows fit in one trip of the grid (decode), a one-trip kernel: a lane group requests its row, then only that row's weight (q's or k's) as 16-byte vectors - removes the loop, the second weight's loads and the q/k select from a decode call's critical path
+// A persistent lane holds both weights in registers, since its rows alternate between q and k;
+// loading them costs every lane 2 x kElemsPerThread scalar loads before its first row. A call
+// whose rows all fit in one trip (a decode step: 72 rows at one token) never reuses them. Probes
+// of the one-token call (build/floor_probe2.py, bench harness, H200): v8 1.34 us; its body
+// without the loop 1.26; the row loaded before the weights 1.18; only q's weight loaded (no
+// select, half the loads) 1.04 against 1.24 with both. This kernel takes all three: no loop, the
+// row first, then the row's own weight, one 16-byte load per vector where both weights are
+// 16-byte aligned (kWeightVectors; element by element otherwise). Larger calls run v8.
+// ------------------------------------------------------------------------------------------
+// The effective float32 weights of the kVecElems columns from `first_column` of weight `w`.
+template <typename T, bool kHfRounding, bool kWeightVectors>
+__device__ __forceinline__ void load_weight_vector(const Params& p, const void* w, int first_column,
+                                                   float (&out)[Vec<T>::kElems]) {
+  constexpr int kVecElems = Vec<T>::kElems;
+  constexpr int kFloatsPerLoad = kVecBytes / sizeof(float);
+  if constexpr (kWeightVectors) {
+    if (p.weight_is_fp32) {
+      const float4* w4 = reinterpret_cast<const float4*>(static_cast<const float*>(w) + first_column);
+#pragma unroll
+      for (int h = 0; h < kVecElems / kFloatsPerLoad; ++h) {
+        const float4 f = w4[h];
+        out[kFloatsPerLoad * h] = f.x;
+        out[kFloatsPerLoad * h + 1] = f.y;
+        out[kFloatsPerLoad * h + 2] = f.z;
+        out[kFloatsPerLoad * h + 3] = f.w;
+      }
+    } else {
+      unpack<T>(load_vec<T>(static_cast<const T*>(w) + first_column), out);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) out[j] = load_weight<T>(w, p.weight_is_fp32, first_column + j);
+  }
+#pragma unroll
+  for (int j = 0; j < kVecElems; ++j) out[j] = effective_weight<T, kHfRounding>(out[j], p.weight_offset);
+}
+
+template <typename T, int kHeadDim, bool kHfRounding, bool kWeightVectors>
+__global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
+    qk_norm_one_trip_kernel(Params p, uint32_t rows) {
+  using Tr = V3Traits<T, kHeadDim>;
+  static_assert(kVecBytes % sizeof(float) == 0 && Tr::kVecElems % (kVecBytes / sizeof(float)) == 0,
+                "a vector of float32 weights is whole 16-byte loads");
+  after_prior_grids();  // read nothing before the previous kernel is done
+  const int lane = threadIdx.x % Tr::kThreadsPerHead;
+  const uint32_t row = blockIdx.x * Tr::kHeadsPerBlock + threadIdx.x / Tr::kThreadsPerHead;
+  const bool active = row < rows;  // idle groups still join their group's shuffles, on zeros
+  const Row<T> r = active ? locate_row<T, uint32_t, true>(p, row) : Row<T>{nullptr, nullptr, false};
+
+  Vec<T> packed[Tr::kVecsPerThread];  // 1. the row
+#pragma unroll
+  for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+    if (active) {
+      packed[i] = load_x<T, true>(r.x + lane_column<Tr>(lane, i, 0));
+    } else {
+#pragma unroll
+      for (int j = 0; j < Tr::kVecElems; ++j) packed[i].v[j] = from_float<T>(0.f);
+    }
+  }
+  float w[Tr::kVecsPerThread][Tr::kVecElems];  // 2. its weight, while the row is in flight
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+      load_weight_vector<T, kHfRounding, kWeightVectors>(p, r.w, lane_column<Tr>(lane, i, 0), w[i]);
+    }
+  }
+  float x[Tr::kVecsPerThread][Tr::kVecElems];  // 3. sum, rstd, normalize, store
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+    unpack<T>(packed[i], x[i]);
+#pragma unroll
+    for (int j = 0; j < Tr::kVecElems; ++j) sum_sq += x[i][j] * x[i][j];
+  }
+  const float rstd = rstd_from(warp_sum<Tr::kThreadsPerHead>(sum_sq), static_cast<float>(kHeadDim), p.eps);
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+      float y[Tr::kVecElems];
+#pragma unroll
+      for (int j = 0; j < Tr::kVecElems; ++j) y[j] = normalized<T, kHfRounding>(x[i][j], rstd, w[i][j]);
+      store_x<T, true>(r.x + lane_column<Tr>(lane, i, 0), pack<T>(y));
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -305,7 +399,8 @@ inline void launch_persistent(bool programmatic, const Params& p, int64_t rows, 
 
 // kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32; 5: v4 with streaming x;
 // 6: v5 as a programmatic dependent launch; 7: v6, or two rows per lane group where that makes
-// a call that needs two trips of v6's grid fit in one; 8: v7 with the fast division.
+// a call that needs two trips of v6's grid fit in one; 8: v7 with the fast division; 9: v8, or
+// the one-trip kernel where the rows fit in one trip of v8's grid.
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
@@ -318,6 +413,18 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
   constexpr bool kFastDivision = kVersion >= 8;
   constexpr auto kernel =
       qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, kStreaming, kProgrammatic, 1, kFastDivision>;
+  if constexpr (kVersion >= 9) {
+    const int64_t one_trip = static_cast<int64_t>(persistent_grid_limit<kernel>(Tr::kThreadsPerBlock)) * Tr::kRowsPerBlock;
+    if (rows <= one_trip) {
+      const auto blocks = static_cast<unsigned>((rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock);
+      const bool weight_vectors = is_aligned(p.q_weight, kVecBytes) && is_aligned(p.k_weight, kVecBytes);
+      constexpr auto one_trip_vectors = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, true>;
+      constexpr auto one_trip_elements = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, false>;
+      launch_kernel(true, weight_vectors ? one_trip_vectors : one_trip_elements, dim3(blocks),
+                    dim3(Tr::kThreadsPerBlock), 0, stream, p, static_cast<uint32_t>(rows));
+      return;
+    }
+  }
   if constexpr (kVersion >= 7 && Tr::kVecsPerThread == 1) {
     using Tr7 = V3Traits<T, kHeadDim, kV7RowsPerGroup>;
     constexpr auto kernel7 = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, kStreaming, kProgrammatic,
@@ -365,7 +472,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 5: return launch_v3<T, kHfRounding, 5>(p, rows, stream);
     case 6: return launch_v3<T, kHfRounding, 6>(p, rows, stream);
     case 7: return launch_v3<T, kHfRounding, 7>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding, 8>(p, rows, stream);
+    case 8: return launch_v3<T, kHfRounding, 8>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 9>(p, rows, stream);
   }
 }
 
@@ -378,7 +486,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 8;
+constexpr int kNumVersions = 9;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& params, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

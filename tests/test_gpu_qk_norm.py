@@ -63,6 +63,25 @@ def test_row_to_token_division(impl, heads):
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("weights", ["misaligned", "float32", "float32_misaligned"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_decode_weights_of_every_layout(impl, weights, tokens):
+    """v9's one-trip kernel reads a row's weight as 16-byte vectors where both weights are 16-byte
+    aligned and element by element otherwise, in the activation dtype or float32."""
+    require(impl)
+    inputs = contract.make_inputs(tokens, 16, 4, 128, torch.bfloat16, "cuda", seed=tokens, fused_qkv=True)
+    dtype = torch.float32 if weights.startswith("float32") else torch.bfloat16
+    for name in ("q_weight", "k_weight"):
+        w = inputs[name].to(dtype)
+        if weights.endswith("misaligned"):  # one element into its buffer: 2 or 4 bytes off 16
+            buffer = torch.empty(w.numel() + 1, dtype=dtype, device="cuda")
+            buffer[1:].copy_(w)
+            w = buffer[1:]
+        inputs[name] = w
+    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=1.0, rounding="hf")
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
 def test_token_stride_beyond_int32(impl):
     """A row stride over 2^31 elements must not overflow the kernels' index arithmetic."""
     require(impl)

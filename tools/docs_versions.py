@@ -47,7 +47,7 @@ NAMED_KERNELS = {
 # Versions whose bf16 fused-rounding kernel the name pattern below cannot tell apart: version ->
 # that instantiation. qk_norm v4 to v6 are v3's kernel with a 32-bit row index (v5 streaming x,
 # v6 also a programmatic launch; v7 two rows per lane group, its kernel for one to two trips named;
-# v8 the fast row division); cross_head_norm v5 is v4's dispatch with streaming kernels
+# v8 the fast row division; v9 its one-trip kernel at decode sizes, with 16-byte weights, named); cross_head_norm v5 is v4's dispatch with streaming kernels
 # (v4's bulk-copy kernel named), v6 the same launched programmatically, v7 v6 with v3's kernel at
 # up to eight vectors per thread where the rows fill the GPU (the eight-vector kernel named; v8's
 # warp-per-token kernels come out of the pattern as one cell, per vectors per lane);
@@ -57,7 +57,8 @@ KERNEL_INSTANCES = {
                 5: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, false, 1, false>",
                 6: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, false>",
                 7: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 2, false>",
-                8: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, true>"},
+                8: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, true>",
+                9: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true>"},
     "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, false>",
                         6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>",
                         7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true>"},
