@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock, kRows
 // A persistent lane holds both weights in registers, since its rows alternate between q and k;
 // loading them costs every lane 2 x kElemsPerThread scalar loads before its first row. A call
 // whose rows all fit in one trip (a decode step: 72 rows at one token) never reuses them. Probes
-// of the one-token call (build/floor_probe2.py, bench harness, H200): v8 1.34 us; its body
+// of the one-token call (tools/qk_norm_decode_probe_v8.py, bench harness, H200): v8 1.34 us; its body
 // without the loop 1.26; the row loaded before the weights 1.18; only q's weight loaded (no
 // select, half the loads) 1.04 against 1.24 with both. This kernel takes all three: no loop, the
 // row first, then the row's own weight, one 16-byte load per vector where both weights are
