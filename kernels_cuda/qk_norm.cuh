@@ -387,8 +387,8 @@ inline void launch_v2(const Params& p, int64_t rows, cudaStream_t stream) {
   qk_norm_v2_kernel<T, kHfRounding><<<static_cast<unsigned>(blocks), kV2Threads, 0, stream>>>(p, rows);
 }
 
-// Launches kernel `kernel`, whose lane groups take `rows_per_block / kHeadsPerBlock` rows per
-// trip, on a grid of min(blocks needed, blocks resident).
+// Launches kKernel, whose blocks take kRowsPerBlock rows per trip, on a persistent grid of
+// min(blocks needed, blocks resident).
 template <auto kKernel, int kThreadsPerBlock, int kRowsPerBlock>
 inline void launch_persistent(bool programmatic, const Params& p, int64_t rows, cudaStream_t stream) {
   const int64_t needed = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
