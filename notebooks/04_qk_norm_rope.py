@@ -363,6 +363,17 @@ print(f"on this machine warp_shfl is {chosen} (simulator: {numba_helpers.SIMULAT
 print(inspect.getsource(numba_qk_norm_rope.make_qk_norm_rope_kernel_v2))
 
 # %% [markdown]
+# v3 (`make_qk_norm_rope_kernel_v3` in `kernels_numba/qk_norm_rope.py`) keeps v2's algorithm and
+# takes instructions out, each cut checked by counting the PTX Numba emits (`tools/numba_ptx.py`,
+# no GPU needed). A bf16 row is viewed as int32 words, two columns per load and store, widened
+# by a shift and a mask and narrowed by one `cvt.rn.bf16x2.f32`; a row runs on 16 lanes at
+# head_dim 128, the grid is (tokens, head groups) so no division finds a row, and unsigned ids
+# let Numba drop Python's negative-index wraparound. Where the word path cannot apply (fp16 or
+# float32 activations, NeoX with rope_dim not a multiple of 4, an odd offset) it runs v2. On the
+# H200 that is 3.3x to 3.8x faster than v2, 1.2x to 1.6x behind the CUDA C kernel
+# (docs/qk_norm_rope.md); the bench below runs it beside the others.
+
+# %% [markdown]
 # ## 7. The CUDA C versions, and the flaw each one fixes
 #
 # The kernels live in the torch-free header `kernels_cuda/qk_norm_rope.cuh` as numbered
