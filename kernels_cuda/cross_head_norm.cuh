@@ -16,7 +16,6 @@
 // v6: v5 as a programmatic dependent launch (as qk_norm v6): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 // v7: v6 with, at batches whose rows fill every SM, four-warp CTAs holding up to eight vectors per thread (v3's rule, the fewest vectors per thread in CTAs of up to 512 threads, kept for smaller batches) - removes v6's 64 KiB in flight per SM at wide rows (four 512-thread CTAs of 16-32 bytes per thread) where the register file holds twice that
 // v8: v7 with, at narrow rows (up to 256 vectors, 2048 bf16 elements) and many tokens, one warp per token: q's row then k's, four tokens per CTA, no block barrier - removes v7's two small CTAs per token there (tensor-parallel shards, small models), whose dispatch, not their bytes, set the time
-// v9: v8 with, where the rows outnumber the resident CTAs at least twice over, a persistent grid whose CTAs stream their rows through two shared-memory stages filled by bulk asynchronous copies: the next row is in flight while this one is reduced and written - removes v7's load-then-store rhythm, in which a CTA's bytes stop flowing between its loads arriving and its exit
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -363,111 +362,6 @@ __global__ void __launch_bounds__(kV8Threads) cross_head_norm_v8_kernel(Params p
 }
 
 // ------------------------------------------------------------------------------------------
-// v9: v8 with, where the rows outnumber the resident CTAs at least twice over, a persistent grid whose CTAs stream their rows through two shared-memory stages filled by bulk asynchronous copies: the next row is in flight while this one is reduced and written - removes v7's load-then-store rhythm, in which a CTA's bytes stop flowing between its loads arriving and its exit
-// grid.x: as many CTAs as fit on the GPU at once (persistent); CTA b normalizes rows b,
-// b + gridDim.x, ... where rows 0..T-1 are q's and T..2T-1 are k's (q first, so that with unequal
-// widths no CTA is left with only the narrow tensor's rows). Thread 0 keeps kV9Stages rows in
-// flight: one cp.async.bulk per row into a stage of dynamic shared memory, each stage with its own
-// mbarrier. Every thread waits for its row's stage, copies its kVecsPerThread vectors into
-// registers and sums their squares; the block sum's barriers mean every thread is done reading
-// the stage, so thread 0 refills it with the row kV9Stages steps ahead before anyone writes. The
-// stores then run while that copy and the other stage's are in flight.
-// Why: v7 runs a CTA per row. A CTA issues its loads, waits, sums, stores and exits, and its SM
-// fetches nothing for it between the last load's arrival and the next CTA's first load; with
-// every CTA of a wave on the same rhythm, the DRAM queue drains and refills once per wave. Here
-// a CTA's next rows are requested before its current row is written, so the requests never stop.
-// The copy engine needs no registers for the bytes in flight (two 16 KiB stages per CTA at 8192
-// bf16, six CTAs per SM: up to 192 KiB requested per SM, against v7's 128 KiB in registers).
-// Needs sm_90 (bulk copies), v3's alignment, and rows of at most kV9Threads x 8 vectors (16384
-// bf16 elements: two 32 KiB stages); the host runs v8 otherwise and for batches of fewer rows,
-// where a CTA would own one row and the copy and its barrier wait only lengthen the call.
-// ------------------------------------------------------------------------------------------
-constexpr int kV9Threads = 256;
-constexpr int kV9Stages = 2;             // rows in flight per CTA: the one being reduced and the next
-constexpr int kV9MaxVecsPerThread = 8;   // as v3: a thread holds its share of the row across the block sum
-constexpr int kV9MinRowsPerCta = 2;      // below this many rows per resident CTA there is nothing to overlap
-static_assert(valid_block_size<kV9Threads>, "v9: whole warps, at most 1024 threads");
-static_assert(kV9Stages >= 2, "v9: a stage is refilled while another is in flight");
-
-template <typename T, int kVecsPerThread>
-struct V9Traits {
-  static constexpr int kStageBytes = kV9Threads * kVecsPerThread * kVecBytes;  // one row, the widest it takes
-  static constexpr int kSharedBytes = kV9Stages * kStageBytes;                 // dynamic shared memory per CTA
-  static constexpr int kMaxHidden = kV9Threads * kVecsPerThread * Vec<T>::kElems;
-  static_assert(kVecsPerThread >= 1 && kVecsPerThread <= kV9MaxVecsPerThread, "a thread holds 1..8 vectors");
-};
-
-template <typename T, int kVecsPerThread, bool kHfRounding>
-__global__ void __launch_bounds__(kV9Threads) cross_head_norm_v9_kernel(Params p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();  // the host launches v9 on sm_90 and later only
-#else
-  using Tr = V9Traits<T, kVecsPerThread>;
-  extern __shared__ __align__(kVecBytes) unsigned char stage_bytes[];  // kV9Stages rows, launch-sized
-  __shared__ __align__(8) uint64_t row_arrived[kV9Stages];             // one mbarrier per stage
-  after_prior_grids();  // launched as v6 to v8 are
-  const int64_t num_rows = p.num_tokens * kNumTensors;
-  auto row_at = [&](int64_t row) {
-    return row < p.num_tokens ? locate_row<T>(p, row, kQ) : locate_row<T>(p, row - p.num_tokens, kK);
-  };
-  auto stage_of = [&](int stage) { return stage_bytes + stage * Tr::kStageBytes; };
-  // Thread 0 only: the copy of `row` into `stage`, counted by that stage's mbarrier.
-  auto request = [&](int64_t row, int stage) {
-    const Row<T> r = row_at(row);
-    const unsigned row_bytes = static_cast<unsigned>(r.hidden) * sizeof(T);
-    mbarrier_arrive_expect_bytes(&row_arrived[stage], row_bytes);
-    bulk_copy_to_shared(stage_of(stage), r.x, row_bytes, &row_arrived[stage]);
-  };
-
-  if (threadIdx.x == 0) {
-    for (int stage = 0; stage < kV9Stages; ++stage) mbarrier_init(&row_arrived[stage], 1);
-  }
-  __syncthreads();  // the barriers are initialized before anyone waits on them
-  if (threadIdx.x == 0) {
-    for (int stage = 0; stage < kV9Stages; ++stage) {
-      const int64_t row = blockIdx.x + static_cast<int64_t>(stage) * gridDim.x;
-      if (row < num_rows) request(row, stage);
-    }
-  }
-
-  int stage = 0;
-  unsigned phase = 0;  // each stage's mbarrier completes once per use: its parity flips every lap
-  for (int64_t row = blockIdx.x; row < num_rows; row += gridDim.x) {
-    const Row<T> r = row_at(row);
-    const int num_vecs = r.hidden / Vec<T>::kElems;
-    const Vec<T>* staged = reinterpret_cast<const Vec<T>*>(stage_of(stage));
-    mbarrier_wait(&row_arrived[stage], phase);
-    Vec<T> x[kVecsPerThread];
-    float sum_sq = 0.f;
-#pragma unroll
-    for (int i = 0; i < kVecsPerThread; ++i) {
-      const int vec = threadIdx.x + i * kV9Threads;
-      if (vec < num_vecs) {
-        x[i] = staged[vec];
-        float xf[Vec<T>::kElems];
-        unpack<T>(x[i], xf);
-#pragma unroll
-        for (int j = 0; j < Vec<T>::kElems; ++j) sum_sq += xf[j] * xf[j];
-      }
-    }
-    const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
-    // block_sum's barriers: every thread has copied its vectors out of the stage. The proxy fence
-    // orders those generic reads before the copy engine's writes of the next row into it.
-    const int64_t ahead = row + static_cast<int64_t>(kV9Stages) * gridDim.x;
-    if (threadIdx.x == 0 && ahead < num_rows) {
-      fence_proxy_async_shared();
-      request(ahead, stage);
-    }
-    store_row_vectors<T, kVecsPerThread, kHfRounding, true>(r, threadIdx.x, kV9Threads, x, rstd, p.weight_offset);
-    if (++stage == kV9Stages) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
-#endif
-}
-
-// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 inline dim3 token_tensor_grid(const Params& p) {
@@ -587,19 +481,13 @@ inline void launch_v4(const Params& p, cudaStream_t stream) {
 // v8's dispatch: rows of at most kV8MaxVecs vectors (16-byte aligned) at batches of at least
 // kV8TokensPerVector tokens per vector of a token (q's and k's) run the warp-per-token kernel at
 // the fewest vectors per lane that hold the wider row; the rest run v7.
-template <typename T>
-inline bool v8_warp_per_token(const Params& p) {
-  const int q_vecs = p.q_hidden / Vec<T>::kElems, k_vecs = p.k_hidden / Vec<T>::kElems;
-  const int widest_vecs = q_vecs > k_vecs ? q_vecs : k_vecs;
-  return vector_aligned<T>(p) && widest_vecs <= kV8MaxVecs &&
-         p.num_tokens >= kV8TokensPerVector * static_cast<int64_t>(q_vecs + k_vecs);
-}
-
 template <typename T, bool kHfRounding>
 inline void launch_v8(const Params& p, cudaStream_t stream) {
-  if (!v8_warp_per_token<T>(p)) return launch_v4<T, kHfRounding, true, true, true>(p, stream);  // v7
   const int q_vecs = p.q_hidden / Vec<T>::kElems, k_vecs = p.k_hidden / Vec<T>::kElems;
   const int widest_vecs = q_vecs > k_vecs ? q_vecs : k_vecs;
+  const bool warp_per_token = vector_aligned<T>(p) && widest_vecs <= kV8MaxVecs &&
+                              p.num_tokens >= kV8TokensPerVector * static_cast<int64_t>(q_vecs + k_vecs);
+  if (!warp_per_token) return launch_v4<T, kHfRounding, true, true, true>(p, stream);  // v7
   const dim3 grid(static_cast<unsigned>((p.num_tokens + kV8Warps - 1) / kV8Warps));
   const int vecs_per_lane = (widest_vecs + kWarpSize - 1) / kWarpSize;
   auto go = [&](auto kernel) { launch_kernel(true, kernel, grid, dim3(kV8Threads), 0, stream, p); };
@@ -607,52 +495,6 @@ inline void launch_v8(const Params& p, cudaStream_t stream) {
   if (vecs_per_lane == 2) return go(cross_head_norm_v8_kernel<T, 2, kHfRounding>);
   if (vecs_per_lane <= 4) return go(cross_head_norm_v8_kernel<T, 4, kHfRounding>);
   return go(cross_head_norm_v8_kernel<T, kV8MaxVecsPerLane, kHfRounding>);
-}
-
-// For v9: launches its kernel at kVecsPerThread vectors per thread, a persistent grid, if this GPU
-// takes bulk copies and the call has at least kV9MinRowsPerCta rows per resident CTA; returns
-// whether it did. The stages are sized for the widest row the instantiation takes, so the dynamic
-// shared memory (and with it the resident CTAs) is fixed per kernel.
-template <typename T, int kVecsPerThread, bool kHfRounding>
-inline bool launch_v9_if_rows_outnumber_ctas(const Params& p, cudaStream_t stream) {
-  using Tr = V9Traits<T, kVecsPerThread>;
-  constexpr auto kernel = cross_head_norm_v9_kernel<T, kVecsPerThread, kHfRounding>;
-  static int usable[kMaxDevices] = {};  // per device: 0 = not asked yet, 1 = no, 2 = yes
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device >= kMaxDevices) return false;
-  if (usable[device] == 0) {  // sm_90, and the stages above the default 48 KiB where needed
-    const bool ok = programmatic_launch_supported() &&
-                    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSharedBytes) ==
-                        cudaSuccess;
-    usable[device] = ok ? 2 : 1;
-  }
-  if (usable[device] == 1) return false;
-  const int64_t resident = persistent_grid_limit<kernel>(kV9Threads, Tr::kSharedBytes);
-  const int64_t num_rows = p.num_tokens * kNumTensors;
-  if (num_rows < kV9MinRowsPerCta * resident) return false;
-  launch_kernel(true, kernel, dim3(static_cast<unsigned>(resident)), dim3(kV9Threads), Tr::kSharedBytes, stream, p);
-  return true;
-}
-
-// v9's dispatch: v8's warp-per-token rows stay with v8; other 16-byte aligned rows of up to
-// kV9Threads x kV9MaxVecsPerThread vectors, at batches of at least kV9MinRowsPerCta rows per
-// resident CTA, stream through v9's stages at the fewest vectors per thread that hold the wider
-// row; the rest run v8 (and so v7).
-template <typename T, bool kHfRounding>
-inline void launch_v9(const Params& p, cudaStream_t stream) {
-  if (vector_aligned<T>(p) && !v8_warp_per_token<T>(p)) {
-    const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
-    const int vecs = (widest / Vec<T>::kElems + kV9Threads - 1) / kV9Threads;  // per thread
-    if (vecs == 1 && launch_v9_if_rows_outnumber_ctas<T, 1, kHfRounding>(p, stream)) return;
-    if (vecs == 2 && launch_v9_if_rows_outnumber_ctas<T, 2, kHfRounding>(p, stream)) return;
-    if (vecs > 2 && vecs <= 4 && launch_v9_if_rows_outnumber_ctas<T, 4, kHfRounding>(p, stream)) return;
-    if (vecs > 4 && vecs <= kV9MaxVecsPerThread &&
-        launch_v9_if_rows_outnumber_ctas<T, kV9MaxVecsPerThread, kHfRounding>(p, stream)) {
-      return;
-    }
-  }
-  launch_v8<T, kHfRounding>(p, stream);
 }
 
 template <typename T, bool kHfRounding>
@@ -665,8 +507,7 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 5: return launch_v4<T, kHfRounding, true>(p, stream);
     case 6: return launch_v4<T, kHfRounding, true, true>(p, stream);
     case 7: return launch_v4<T, kHfRounding, true, true, true>(p, stream);
-    case 8: return launch_v8<T, kHfRounding>(p, stream);
-    default: return launch_v9<T, kHfRounding>(p, stream);
+    default: return launch_v8<T, kHfRounding>(p, stream);
   }
 }
 
@@ -679,7 +520,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 9;
+constexpr int kNumVersions = 8;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

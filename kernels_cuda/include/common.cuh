@@ -231,13 +231,6 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
                : "memory");
 }
 
-// Orders this thread's earlier generic-proxy accesses to shared memory (plain loads and stores)
-// before later asynchronous-proxy ones (a bulk copy into the same bytes), as the PTX memory model
-// asks when one location is touched through both proxies.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // Blocks until phase `parity` of `bar` has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, unsigned parity) {
   uint32_t done = 0;
@@ -301,12 +294,10 @@ __device__ __forceinline__ T normalize(float x, float rstd, float w_eff) {
 // whole warps: the kernel is a template argument, so every kernel instantiation has its own
 // cache (a cache per function-pointer *type* would be shared by every kernel of the same
 // signature, whatever their occupancy). The occupancy query is not free on a hot path.
-// `shared_bytes` is the launch's dynamic shared memory; the cache does not key on it, so a kernel
-// is always queried with the same amount (a kernel whose stages are sized at compile time).
 constexpr int kMaxDevices = 64;
 
 template <auto kKernel>
-inline int persistent_grid_limit(int threads_per_block, size_t shared_bytes = 0) {
+inline int persistent_grid_limit(int threads_per_block) {
   static int cached[kMaxDevices][kMaxWarpsPerBlock + 1] = {};
   int device = 0;
   cudaGetDevice(&device);
@@ -315,7 +306,7 @@ inline int persistent_grid_limit(int threads_per_block, size_t shared_bytes = 0)
   if (cacheable && cached[device][warps] > 0) return cached[device][warps];
   int sms = 0, blocks_per_sm = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kKernel, threads_per_block, shared_bytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kKernel, threads_per_block, 0);
   const int limit = sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
   if (cacheable) cached[device][warps] = limit;
   return limit;
