@@ -262,15 +262,12 @@ __device__ __forceinline__ void prefetch_l1(const void* addr) {
 // while its registers work on another. Copies are counted in groups: copy_async_commit closes the
 // thread's current group, copy_async_wait<N> blocks until at most N of its groups are still
 // pending. A thread sees its own copies after the wait; other threads' need a barrier too. The
-// copies bypass L1 (.cg) and carry an evict-first L2 policy, as the streaming loads of x do.
+// copies bypass L1 (.cg).
 // Compiled for a GPU before sm_80 they are plain synchronous copies, and the wait is a no-op.
 __device__ __forceinline__ void copy_async_16(void* shared_dst, const void* global_src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  uint64_t evict_first;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst))),
-               "l"(global_src), "l"(evict_first)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst))),
+               "l"(global_src)
                : "memory");
 #else
   *static_cast<uint4*>(shared_dst) = *static_cast<const uint4*>(global_src);
