@@ -17,7 +17,6 @@
 // v4: lanes own whole rotation pairs: a NeoX lane holds a 16-byte vector of the first half and its partner vector of the second half, so one run of cos/sin serves both and no shuffle fetches a partner; a lane keeps one row at a time - removes v3's partner shuffles, half its cos/sin loads and the registers it spends keeping a token's cos/sin and both weights across heads (79 -> 64: 4 blocks per SM instead of 3)
 // v5: the layout and the tables' storage types fixed at compile time (the kernel picks its loop once), bf16 converted two elements per instruction, the norm scale one fma per element, x read and written by streaming global accesses - removes v4's per-element layout selects, its predicated loads for both table dtypes and its generic loads and stores (64 -> 57 registers NeoX, 48 interleaved)
 // v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
-// v7: v6 with the next row's x requested into shared memory by asynchronous copies (no registers) and its position read before this row is finished: a lane group keeps two rows in flight - removes v6's gap between one row's stores and the next row's loads, in which the lane group requests nothing
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm_rope.cu is the torch glue.
 #pragma once
@@ -799,106 +798,6 @@ __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
 // kernel boundary is a visible part of it; this overlaps it with the previous kernel's tail when
 // that kernel lets it (the bench's previous call does). Measured on the H200: docs/qk_norm_rope.md.
 // ------------------------------------------------------------------------------------------
-// v7: v6 with the next row's x requested into shared memory by asynchronous copies (no registers) and its position read before this row is finished: a lane group keeps two rows in flight - removes v6's gap between one row's stores and the next row's loads, in which the lane group requests nothing
-// v6's walk, one row ahead: before a lane group finishes row i it requests row i + 1's vectors
-// with cp.async into its slots of a two-stage shared-memory buffer and loads row i + 1's position
-// into a register. Each lane reads back only the bytes it copied itself, so the copy-group wait
-// is the only synchronization (no block barrier). Why: in v6 a lane's loads of the next row
-// start only after this row's weights, cos/sin, arithmetic and stores, so each row pays the DRAM
-// round trip and the L1/L2 round trip of its tables in series and the group has nothing in
-// flight in between. Holding the next row in registers instead cost v6 a block per SM (57 -> 70+
-// registers, 3 blocks: docs/qk_norm_rope.md); the copies cost 16 KiB of shared memory per block
-// (two stages of 256 lanes x two vectors, bf16 at head_dim 128) and a few registers.
-// ------------------------------------------------------------------------------------------
-constexpr int kV7Stages = 2;  // the row being finished and the next one
-static_assert(kV7Stages == 2, "v7 alternates two stages: the wait below leaves exactly one group pending");
-
-// The staging buffer of a v7 block: [stage][slot][thread], a lane's vectors of one row being its
-// slots (a and b of each unit); a warp's 16-byte slots are contiguous, so its reads are
-// conflict-free.
-template <typename T, int kHeadDim>
-using V7Staged = Vec<T>[kV7Stages][2 * V4Traits<T, kHeadDim>::kUnitsPerThread][V4Traits<T, kHeadDim>::kThreadsPerBlock];
-
-template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT>
-__device__ __forceinline__ void walk_rows_staged(const Params& p, int64_t rows, V7Staged<T, kHeadDim>& staged) {
-  using Tr = V4Traits<T, kHeadDim>;
-  constexpr int kUnits = Tr::kUnitsPerThread;
-  const int lane = threadIdx.x % Tr::kThreadsPerHead;
-  const int group = threadIdx.x / Tr::kThreadsPerHead;
-  const int heads = p.num_q_heads + p.num_kv_heads;
-  const LaneUnits<kUnits> u = lane_units<kUnits, kNeox, Tr::kVecElems>(lane, Tr::kThreadsPerHead, p.rope_dim);
-
-  const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kGroupsPerBlock;
-  const int64_t token_step = row_stride / heads;
-  const int head_step = static_cast<int>(row_stride % heads);
-  const int64_t my_first_row = static_cast<int64_t>(blockIdx.x) * Tr::kGroupsPerBlock + group;
-  int64_t token = my_first_row / heads;
-  int head = static_cast<int>(my_first_row % heads);
-
-  // Requests the lane's vectors of row (token, head) into `stage` (one copy group, empty past the
-  // end so that every lane commits as many groups) and returns its cache row, read now.
-  auto request = [&](int stage, bool active) -> int64_t {
-    if (active) {
-      const Row<T> at = locate_row<T>(p, token, head);
-#pragma unroll
-      for (int s = 0; s < kUnits; ++s) {
-        copy_async_16(&staged[stage][2 * s][threadIdx.x], at.x + u.col_a[s]);
-        copy_async_16(&staged[stage][2 * s + 1][threadIdx.x], at.x + u.col_b[s]);
-      }
-    }
-    copy_async_commit();
-    return active ? cache_row(p, token) : -1;
-  };
-  auto advance = [&]() {
-    token += token_step;
-    head += head_step;
-    if (head >= heads) {
-      head -= heads;
-      ++token;
-    }
-  };
-
-  int stage = 0;
-  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * Tr::kGroupsPerBlock;
-  int64_t cache = request(stage, first_row + group < rows);
-  // `first` is uniform across the block, so every lane runs the same iterations.
-  for (int64_t first = first_row; first < rows; first += row_stride) {
-    const bool active = first + group < rows;
-    const Row<T> at = locate_row<T>(p, token, head);
-    advance();
-    const int64_t next_cache = request(stage ^ 1, first + row_stride + group < rows);
-    copy_async_wait<1>();  // all but the group just committed: this row's vectors have landed
-    LoadedRow<T, kUnits> r{active ? at.x : nullptr, at.w, cache, {}, {}};
-#pragma unroll
-    for (int s = 0; s < kUnits; ++s) {
-      if (active) {
-        r.a[s] = staged[stage][2 * s][threadIdx.x];
-        r.b[s] = staged[stage][2 * s + 1][threadIdx.x];
-      } else {
-#pragma unroll
-        for (int j = 0; j < Vec<T>::kElems; ++j) r.a[s].v[j] = r.b[s].v[j] = from_float<T>(0.f);
-      }
-    }
-    finish_row<T, kHeadDim, kHfRounding, kNeox, WeightT, CacheT>(p, r, u);
-    cache = next_cache;
-    stage ^= 1;
-  }
-}
-
-template <typename T, int kHeadDim, bool kHfRounding, bool kNeox>
-__global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
-    qk_norm_rope_v7_kernel(Params p, int64_t rows) {
-  __shared__ V7Staged<T, kHeadDim> staged;  // one buffer, whichever walk runs
-  after_prior_grids();  // launched as v6 is
-  if (p.weight_is_fp32) {
-    if (p.cache_is_fp32) return walk_rows_staged<T, kHeadDim, kHfRounding, kNeox, float, float>(p, rows, staged);
-    return walk_rows_staged<T, kHeadDim, kHfRounding, kNeox, float, T>(p, rows, staged);
-  }
-  if (p.cache_is_fp32) return walk_rows_staged<T, kHeadDim, kHfRounding, kNeox, T, float>(p, rows, staged);
-  walk_rows_staged<T, kHeadDim, kHfRounding, kNeox, T, T>(p, rows, staged);
-}
-
-// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -937,7 +836,7 @@ inline void launch_v3_fixed(const Params& p, cudaStream_t stream) {
                                                                               items_per_token);
 }
 
-// v4 to v7 (same geometry): a persistent grid of at most the resident blocks; v6 and v7 launched
+// v4, v5 and v6 (same geometry): a persistent grid of at most the resident blocks; v6 launched
 // programmatically.
 template <typename T, int kHeadDim, auto kKernel, bool kProgrammatic = false>
 inline void launch_persistent_rows(const Params& p, int64_t rows, cudaStream_t stream) {
@@ -973,25 +872,15 @@ inline void launch_v5_layout(const Params& p, int64_t rows, cudaStream_t stream)
   launch_persistent_rows<T, kHeadDim, kKernel, kProgrammatic>(p, rows, stream);
 }
 
-// v7's kernel compiled for the call's layout, launched as v6's is.
-template <typename T, int kHeadDim, bool kHfRounding>
-inline void launch_v7_layout(const Params& p, int64_t rows, cudaStream_t stream) {
-  if (p.is_neox) {
-    return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v7_kernel<T, kHeadDim, kHfRounding, true>, true>(p, rows, stream);
-  }
-  launch_persistent_rows<T, kHeadDim, qk_norm_rope_v7_kernel<T, kHeadDim, kHfRounding, false>, true>(p, rows, stream);
-}
-
 template <typename T, int kHeadDim, bool kHfRounding>
 inline void launch_vector_path(const Params& p, int64_t rows, int version, cudaStream_t stream) {
   if (version == 3) return launch_v3_fixed<T, kHeadDim, kHfRounding>(p, stream);
   if (version == 4) return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v4_kernel<T, kHeadDim, kHfRounding>>(p, rows, stream);
   if (version == 5) return launch_v5_layout<T, kHeadDim, kHfRounding, false>(p, rows, stream);
-  if (version == 6) return launch_v5_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);  // v5's kernel, programmatic
-  launch_v7_layout<T, kHeadDim, kHfRounding>(p, rows, stream);
+  launch_v5_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);  // v6: the same kernel, programmatic
 }
 
-// v3 to v7: the vector path where head_dim is specialized and the data aligned, else v2's
+// v3 to v6: the vector path where head_dim is specialized and the data aligned, else v2's
 // general path (any even head_dim / rope_dim, any alignment).
 template <typename T, bool kHfRounding>
 inline void launch_vector_or_general(const Params& p, int64_t rows, int version, cudaStream_t stream) {
@@ -1026,7 +915,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 7;
+constexpr int kNumVersions = 6;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 // Version 1 needs `p.scratch` with scratch_elements(p, 1) floats.

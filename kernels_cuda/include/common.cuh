@@ -256,37 +256,6 @@ __device__ __forceinline__ void prefetch_l1(const void* addr) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(addr));
 }
 
-// ---- Asynchronous 16-byte copies into shared memory (sm_80+) ---------------------------------
-// copy_async_16 asks for 16 bytes of global memory to be written to shared memory and returns at
-// once: the bytes travel without a register (LDGSTS), so a thread can keep a whole row in flight
-// while its registers work on another. Copies are counted in groups: copy_async_commit closes the
-// thread's current group, copy_async_wait<N> blocks until at most N of its groups are still
-// pending. A thread sees its own copies after the wait; other threads' need a barrier too. The
-// copies bypass L1 (.cg).
-// Compiled for a GPU before sm_80 they are plain synchronous copies, and the wait is a no-op.
-__device__ __forceinline__ void copy_async_16(void* shared_dst, const void* global_src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst))),
-               "l"(global_src)
-               : "memory");
-#else
-  *static_cast<uint4*>(shared_dst) = *static_cast<const uint4*>(global_src);
-#endif
-}
-
-__device__ __forceinline__ void copy_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-template <int kPendingGroups>
-__device__ __forceinline__ void copy_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPendingGroups) : "memory");
-#endif
-}
-
 // ---- the RMSNorm arithmetic ------------------------------------------------------------------
 // rstd = rsqrt(mean(x^2) + eps); 0 when that is 0 (eps = 0 and an all-zero row), so such a row
 // normalizes to zeros rather than NaN.
