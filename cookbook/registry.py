@@ -94,6 +94,7 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _cuda("qk_norm", 7, "v6 where a call's rows need more than one trip of v6's resident grid but fit in one when each lane group takes two rows: both rows' loads are issued before either is reduced - removes v6's second serial DRAM round trip at mid-size batches (about 180 to 350 tokens of 72 heads on an H200)"),
         _cuda("qk_norm", 8, "v7 with the row -> (token, head) division done by a multiply-high with a magic number the host computes once per launch - removes the ~20-instruction 32-bit division from every row of every lane"),
         _cuda("qk_norm", 9, "v8 with, where a call's rows fit in one trip of the grid (decode), a one-trip kernel: a lane group requests its row, then only that row's weight (q's or k's) as 16-byte vectors - removes the loop, the second weight's loads and the q/k select from a decode call's critical path"),
+        _cuda("qk_norm", 10, "v9 with head_dims of a whole number of 16-byte vectors that is not a power of two (80, 96, 160, 192) on the vector path: a row's lane group is padded to the next power of two of lanes, and the lanes past its last vector hold none - removes v9's fall back to v2 (a warp per row, one element per load) at those head_dims, where torch.compile was faster"),
         Impl("qk_norm", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
     ],

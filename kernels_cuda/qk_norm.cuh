@@ -17,6 +17,7 @@
 // v7: v6 where a call's rows need more than one trip of v6's resident grid but fit in one when each lane group takes two rows: both rows' loads are issued before either is reduced - removes v6's second serial DRAM round trip at mid-size batches (about 180 to 350 tokens of 72 heads on an H200)
 // v8: v7 with the row -> (token, head) division done by a multiply-high with a magic number the host computes once per launch - removes the ~20-instruction 32-bit division from every row of every lane
 // v9: v8 with, where a call's rows fit in one trip of the grid (decode), a one-trip kernel: a lane group requests its row, then only that row's weight (q's or k's) as 16-byte vectors - removes the loop, the second weight's loads and the q/k select from a decode call's critical path
+// v10: v9 with head_dims of a whole number of 16-byte vectors that is not a power of two (80, 96, 160, 192) on the vector path: a row's lane group is padded to the next power of two of lanes, and the lanes past its last vector hold none - removes v9's fall back to v2 (a warp per row, one element per load) at those head_dims, where torch.compile was faster
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -145,23 +146,36 @@ static_assert(kV7RowsPerGroup > 1, "v7 takes more rows per lane group than v6");
 
 // kRowsPerGroup (v7): the rows a lane group takes per loop trip, all loaded before any is
 // reduced (1 for v3 to v6).
+constexpr int next_power_of_two(int n) { return n <= 1 ? 1 : 2 * next_power_of_two((n + 1) / 2); }
+
+// kPadded (v10): a head of a whole number of vectors that is not a power of two (12 at 96 bf16
+// elements) gets the next power of two of lanes, at most a warp (16), and the lanes or slots past
+// the head's last vector hold nothing (lane_has_vector); v3 to v9 launch power-of-two heads only.
 template <typename T, int kHeadDim, int kRowsPerGroup = 1>
 struct V3Traits {
   static constexpr int kVecElems = Vec<T>::kElems;                    // 4 fp32, 8 fp16/bf16
   static constexpr int kVecsPerHead = kHeadDim / kVecElems;
-  static constexpr int kThreadsPerHead = kVecsPerHead < kWarpSize ? kVecsPerHead : kWarpSize;
-  static constexpr int kVecsPerThread = kVecsPerHead / kThreadsPerHead;
+  static constexpr int kThreadsPerHead =
+      next_power_of_two(kVecsPerHead) < kWarpSize ? next_power_of_two(kVecsPerHead) : kWarpSize;
+  static constexpr int kVecsPerThread = (kVecsPerHead + kThreadsPerHead - 1) / kThreadsPerHead;
+  static constexpr bool kPadded = kVecsPerHead % kThreadsPerHead != 0;
   static constexpr int kElemsPerThread = kVecsPerThread * kVecElems;
   static constexpr int kThreadsPerBlock = 256;
   static constexpr int kHeadsPerBlock = kThreadsPerBlock / kThreadsPerHead;  // lane groups per block
   static constexpr int kRowsPerBlock = kHeadsPerBlock * kRowsPerGroup;      // rows per block per loop trip
 
   static_assert(kHeadDim % kVecElems == 0, "a head is a whole number of 16-byte vectors");
-  static_assert(kVecsPerHead % kThreadsPerHead == 0, "every lane of a head holds as many vectors");
+  static_assert(kVecsPerThread * kThreadsPerHead - kVecsPerHead < kThreadsPerHead, "padding is less than one slot per lane");
   static_assert(kWarpSize % kThreadsPerHead == 0, "heads tile a warp, so a shuffle group never spans two warps");
   static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
   static_assert(kRowsPerGroup >= 1, "a lane group takes at least one row per trip");
 };
+
+// Whether slot i of lane `lane` holds a vector of the head (always, unless the group is padded).
+template <typename Tr>
+__device__ __forceinline__ bool lane_has_vector(int lane, int i) {
+  return !Tr::kPadded || i * Tr::kThreadsPerHead + lane < Tr::kVecsPerHead;
+}
 
 // Column of element j of vector i of lane `lane` of a row's group: vectors interleave across the
 // group's lanes so that one load instruction of the group covers contiguous memory.
@@ -190,8 +204,13 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock, kRows
 #pragma unroll
     for (int j = 0; j < Tr::kVecElems; ++j) {
       const int e = i * Tr::kVecElems + j;
-      w_q[e] = effective_weight<T, kHfRounding>(load_weight<T>(p.q_weight, p.weight_is_fp32, column(i, j)), p.weight_offset);
-      w_k[e] = effective_weight<T, kHfRounding>(load_weight<T>(p.k_weight, p.weight_is_fp32, column(i, j)), p.weight_offset);
+      const bool in_head = lane_has_vector<Tr>(lane, i);  // a padded slot's weight is never used
+      w_q[e] = in_head ? effective_weight<T, kHfRounding>(load_weight<T>(p.q_weight, p.weight_is_fp32, column(i, j)),
+                                                          p.weight_offset)
+                       : 0.f;
+      w_k[e] = in_head ? effective_weight<T, kHfRounding>(load_weight<T>(p.k_weight, p.weight_is_fp32, column(i, j)),
+                                                          p.weight_offset)
+                       : 0.f;
     }
   }
 
@@ -213,7 +232,7 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock, kRows
                        : Row<T>{nullptr, nullptr, false};
 #pragma unroll
       for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-        if (active[g]) {
+        if (active[g] && lane_has_vector<Tr>(lane, i)) {
           packed[g][i] = load_x<T, kStreaming>(r[g].x + column(i, 0));
         } else {
 #pragma unroll
@@ -241,7 +260,7 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock, kRows
             const int e = i * Tr::kVecElems + j;
             y[j] = normalized<T, kHfRounding>(x[i][j], rstd, r[g].is_q ? w_q[e] : w_k[e]);
           }
-          store_x<T, kStreaming>(r[g].x + column(i, 0), pack<T>(y));
+          if (lane_has_vector<Tr>(lane, i)) store_x<T, kStreaming>(r[g].x + column(i, 0), pack<T>(y));
         }
       }
     }
@@ -338,18 +357,18 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
   Vec<T> packed[Tr::kVecsPerThread];  // 1. the row
 #pragma unroll
   for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-    if (active) {
+    if (active && lane_has_vector<Tr>(lane, i)) {
       packed[i] = load_x<T, true>(r.x + lane_column<Tr>(lane, i, 0));
     } else {
 #pragma unroll
       for (int j = 0; j < Tr::kVecElems; ++j) packed[i].v[j] = from_float<T>(0.f);
     }
   }
-  float w[Tr::kVecsPerThread][Tr::kVecElems];  // 2. its weight, while the row is in flight
+  float w[Tr::kVecsPerThread][Tr::kVecElems] = {};  // 2. its weight, while the row is in flight
   if (active) {
 #pragma unroll
     for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-      load_weight_vector<T, kHfRounding, kWeightVectors>(p, r.w, lane_column<Tr>(lane, i, 0), w[i]);
+      if (lane_has_vector<Tr>(lane, i)) load_weight_vector<T, kHfRounding, kWeightVectors>(p, r.w, lane_column<Tr>(lane, i, 0), w[i]);
     }
   }
   float x[Tr::kVecsPerThread][Tr::kVecElems];  // 3. sum, rstd, normalize, store
@@ -367,11 +386,20 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
       float y[Tr::kVecElems];
 #pragma unroll
       for (int j = 0; j < Tr::kVecElems; ++j) y[j] = normalized<T, kHfRounding>(x[i][j], rstd, w[i][j]);
-      store_x<T, true>(r.x + lane_column<Tr>(lane, i, 0), pack<T>(y));
+      if (lane_has_vector<Tr>(lane, i)) store_x<T, true>(r.x + lane_column<Tr>(lane, i, 0), pack<T>(y));
     }
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// v10: v9 with head_dims of a whole number of 16-byte vectors that is not a power of two (80, 96, 160, 192) on the vector path: a row's lane group is padded to the next power of two of lanes, and the lanes past its last vector hold none - removes v9's fall back to v2 (a warp per row, one element per load) at those head_dims, where torch.compile was faster
+// The kernels above with V3Traits' padding (kPadded): at 96 bf16 elements a head is 12 vectors,
+// so a group of 16 lanes takes a row and lanes 12-15 load, weigh and store nothing but join the
+// group's shuffle sum with zeros. A quarter of those lanes idle costs issue slots, not bytes: the
+// call moves exactly the row's bytes in 16-byte accesses. v2's general path, which v3 to v9 keep
+// for these head_dims, gives a warp to a row and reads 2-byte elements: at 1024 tokens x 8/1
+// heads of 96, 6.1 us against torch.compile's 5.0 (docs/results/qk_norm_h200.md at 3a29bfe).
+// The head_dims of launch_v3's v10 switch are compiled (each is a set of kernels); others stay with v2.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
@@ -400,7 +428,8 @@ inline void launch_persistent(bool programmatic, const Params& p, int64_t rows, 
 // kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32; 5: v4 with streaming x;
 // 6: v5 as a programmatic dependent launch; 7: v6, or two rows per lane group where that makes
 // a call that needs two trips of v6's grid fit in one; 8: v7 with the fast division; 9: v8, or
-// the one-trip kernel where the rows fit in one trip of v8's grid.
+// the one-trip kernel where the rows fit in one trip of v8's grid; 10: v9 (launch_v3 adds the
+// padded head_dims).
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
@@ -425,7 +454,7 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
       return;
     }
   }
-  if constexpr (kVersion >= 7 && Tr::kVecsPerThread == 1) {
+  if constexpr (kVersion >= 7 && Tr::kVecsPerThread == 1 && !Tr::kPadded) {  // padded groups: no two-row kernel
     using Tr7 = V3Traits<T, kHeadDim, kV7RowsPerGroup>;
     constexpr auto kernel7 = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, kStreaming, kProgrammatic,
                                                kV7RowsPerGroup, kFastDivision>;
@@ -457,6 +486,15 @@ inline void launch_v3(const Params& p, int64_t rows, cudaStream_t stream) {
       case 1024: return launch_v3_fixed<T, 1024, kHfRounding, kVersion>(p, rows, stream);
       default: break;
     }
+    if constexpr (kVersion >= 10) {  // padded lane groups (V3Traits::kPadded)
+      switch (p.head_dim) {
+        case 80: return launch_v3_fixed<T, 80, kHfRounding, kVersion>(p, rows, stream);
+        case 96: return launch_v3_fixed<T, 96, kHfRounding, kVersion>(p, rows, stream);
+        case 160: return launch_v3_fixed<T, 160, kHfRounding, kVersion>(p, rows, stream);
+        case 192: return launch_v3_fixed<T, 192, kHfRounding, kVersion>(p, rows, stream);
+        default: break;
+      }
+    }
   }
   launch_v2<T, kHfRounding>(p, rows, stream);  // general path: any even head_dim, any alignment
 }
@@ -473,7 +511,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 6: return launch_v3<T, kHfRounding, 6>(p, rows, stream);
     case 7: return launch_v3<T, kHfRounding, 7>(p, rows, stream);
     case 8: return launch_v3<T, kHfRounding, 8>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding, 9>(p, rows, stream);
+    case 9: return launch_v3<T, kHfRounding, 9>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 10>(p, rows, stream);
   }
 }
 
@@ -486,7 +525,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 9;
+constexpr int kNumVersions = 10;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& params, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

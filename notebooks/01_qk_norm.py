@@ -371,6 +371,12 @@ for impl in cuda_versions:
 #   does not need cost 0.2 us (measured by taking the kernel apart in probes). Where the rows fit
 #   in one trip, v9 runs a kernel with no loop: the row first, then only that row's weight as
 #   16-byte loads. 1.31 -> 1.17 us at one token.
+# * **v10** widens the vector path. Up to v9 a lane group is sized to the head's 16-byte vectors,
+#   which must tile a warp: 8 lanes at head_dim 64, 16 at 128. A head of 96 bf16 elements is 12
+#   vectors, so v3 to v9 send it to v2 (a warp per row, one element per load), and there
+#   `torch.compile` was faster. v10 gives such a head the next power of two of lanes (16) and lets
+#   the lanes past its last vector sit out: they load, weigh and store nothing and add zero to the
+#   group's sum. It compiles head_dims 80, 96, 160 and 192 (the cell below prints head_dim 128).
 #
 # ## 8. What the compiler says: registers per kernel
 #
@@ -433,7 +439,7 @@ else:
 
 # %%
 if ON_GPU:
-    AGREE_SHAPES = [(1, 64, 8, 128), (129, 8, 1, 128), (7, 4, 2, 96)]  # fast path, GQA kv=1, general path
+    AGREE_SHAPES = [(1, 64, 8, 128), (129, 8, 1, 128), (7, 4, 2, 96)]  # fast path, GQA kv=1, 96: v2 to v9, padded in v10
 else:
     AGREE_SHAPES = list(contract.SIM_SHAPES)
 AGREE_CASES = [(dtype, rounding, 0.0) for dtype in (torch.float32, torch.bfloat16) for rounding in ("fused", "hf")]

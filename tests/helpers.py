@@ -77,3 +77,15 @@ def bad_case(good, **changes):
         return args
 
     return make
+
+
+def launched_kernels(fn):
+    """Names of the CUDA kernels `fn()` launches, read from the profiler: lets a GPU test assert
+    which kernel a version's dispatch picked, not only that the result is right."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA}

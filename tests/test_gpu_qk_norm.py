@@ -14,7 +14,7 @@ import torch
 import cookbook
 from cookbook import registry
 from cookbook.ops import qk_norm as contract
-from helpers import ON_GPU, clone_inputs, kernel_impls, require, run_and_compare
+from helpers import ON_GPU, clone_inputs, kernel_impls, launched_kernels, require, run_and_compare
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 OP = "qk_norm"
@@ -79,6 +79,58 @@ def test_decode_weights_of_every_layout(impl, weights, tokens):
             w = buffer[1:]
         inputs[name] = w
     run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=1.0, rounding="hf")
+
+
+# v10 pads a row's lane group to a power of two where the head is a whole number of 16-byte
+# vectors that is not one (80, 96, 160 and 192 elements: 10, 12, 20 and 24 bf16 vectors, twice
+# that in float32), so the lanes past the last vector must load, weigh and store nothing. One
+# token and five take the one-trip kernel, 2000 tokens x 9 heads the persistent loop.
+PADDED_HEAD_DIMS = [80, 96, 160, 192]
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("head_dim", PADDED_HEAD_DIMS)
+@pytest.mark.parametrize("dtype, rounding", [(torch.bfloat16, "fused"), (torch.float16, "hf"), (torch.float32, "fused")],
+                         ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("tokens", [1, 5, 2000])
+def test_padded_lane_groups(impl, head_dim, dtype, rounding, tokens):
+    require(impl)
+    inputs = contract.make_inputs(tokens, 8, 1, head_dim, dtype, "cuda", seed=head_dim + tokens, fused_qkv=True,
+                                  kind="zero_rows")
+    run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=0.5, rounding=rounding)
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("weights", ["misaligned", "float32"])
+def test_padded_lane_groups_weight_layouts(impl, weights):
+    """The one-trip kernel's weight loads at a padded head: vectors, or elements off 16 bytes."""
+    require(impl)
+    inputs = contract.make_inputs(3, 16, 4, 96, torch.bfloat16, "cuda", seed=7, fused_qkv=True)
+    dtype = torch.float32 if weights == "float32" else torch.bfloat16
+    for name in ("q_weight", "k_weight"):
+        w = inputs[name].to(dtype)
+        if weights == "misaligned":
+            buffer = torch.empty(w.numel() + 1, dtype=dtype, device="cuda")
+            buffer[1:].copy_(w)
+            w = buffer[1:]
+        inputs[name] = w
+    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=1.0, rounding="hf")
+
+
+@pytest.mark.parametrize("version, head_dim, tokens, kernel", [
+    (10, 96, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 96,"), (10, 96, 2000, "qk_norm_v3_kernel<__nv_bfloat16, 96,"),
+    (10, 160, 2000, "qk_norm_v3_kernel<__nv_bfloat16, 160,"), (9, 96, 1, "qk_norm_v2_kernel"),
+    (10, 112, 1, "qk_norm_v2_kernel")])
+def test_padded_dispatch(version, head_dim, tokens, kernel):
+    """v10 runs the vector kernels at the padded head_dims it compiles; v9, and v10 at others (112
+    is 14 vectors, not compiled), keep v2's general path."""
+    from cookbook import cuda
+
+    cuda.load(OP)
+    x = contract.make_inputs(tokens, 8, 1, head_dim, torch.bfloat16, "cuda", seed=3, fused_qkv=True)
+    names = launched_kernels(lambda: cuda.qk_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused",
+                                                  version=version))
+    assert any(kernel in name for name in names), names
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
@@ -158,6 +210,9 @@ for version in [impl.version for impl in registry.implementations("qk_norm", ("c
         cookbook.cuda.qk_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
 x = contract.make_inputs(3, 2, 1, 96, torch.float16, "cuda", fused_qkv=True)
 cookbook.qk_norm(**x, backend="cuda", rounding="hf")
+for tokens in (3, 2000):  # v10's padded lane groups: the one-trip kernel, then the persistent loop
+    x = contract.make_inputs(tokens, 8, 1, 96, torch.bfloat16, "cuda", fused_qkv=True)
+    cookbook.qk_norm(**x, backend="cuda")
 torch.cuda.synchronize()
 print("sanitized run done")
 """

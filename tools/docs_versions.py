@@ -47,7 +47,8 @@ NAMED_KERNELS = {
 # Versions whose bf16 fused-rounding kernel the name pattern below cannot tell apart: version ->
 # that instantiation. qk_norm v4 to v6 are v3's kernel with a 32-bit row index (v5 streaming x,
 # v6 also a programmatic launch; v7 two rows per lane group, its kernel for one to two trips named;
-# v8 the fast row division; v9 its one-trip kernel at decode sizes, with 16-byte weights, named); cross_head_norm v5 is v4's dispatch with streaming kernels
+# v8 the fast row division; v9 its one-trip kernel at decode sizes, with 16-byte weights, named;
+# v10 the persistent kernel at head_dim 96, a padded lane group, named); cross_head_norm v5 is v4's dispatch with streaming kernels
 # (v4's bulk-copy kernel named), v6 the same launched programmatically, v7 v6 with v3's kernel at
 # up to eight vectors per thread where the rows fill the GPU (the eight-vector kernel named; v8's
 # warp-per-token kernels come out of the pattern as one cell, per vectors per lane);
@@ -58,7 +59,8 @@ KERNEL_INSTANCES = {
                 6: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, false>",
                 7: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 2, false>",
                 8: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, true>",
-                9: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true>"},
+                9: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true>",
+                10: "qk_norm_v3_kernel<__nv_bfloat16, 96, false, unsigned int, true, true, 1, true>"},
     "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, false>",
                         6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>",
                         7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true>"},
@@ -110,7 +112,9 @@ def cuda_registers(op: str) -> dict[int, str]:
         found[version] = "; ".join(sorted(cells))
     for version, instance in instances.items():
         kernel = next(k for k in kernels if f"::{instance}(" in k.kernel)
-        found[version] = f"{kernel.registers} regs, {kernel.spill_bytes} B spill ({instance.split('<')[0]})"
+        head_dim = instance.split("<")[1].split(", ")[1]  # qk_norm's and qk_norm_rope's second argument
+        where = f" at head_dim {head_dim}" if op in ("qk_norm", "qk_norm_rope") and head_dim != HEAD_DIM else ""
+        found[version] = f"{kernel.registers} regs, {kernel.spill_bytes} B spill ({instance.split('<')[0]}{where})"
     for version, kernels in per_vectors.items():  # one cell: every vectors-per-thread kernel
         kernels.sort()
         unit = "lane" if op == "cross_head_norm" and version == 8 else "thread"  # v8: a warp per token
