@@ -258,7 +258,7 @@ BENCH_SHAPES = [
     (8192, 8, 1, 128),  # GQA down to one kv head
     (8192, 32, 8, 64),  # smaller heads: four heads per warp in v3
     (2048, 16, 4, 256),
-    (1024, 8, 1, 96),  # a head_dim off the fast paths: the general path
+    (1024, 8, 1, 96),  # head_dim 96: v2's general path up to v9, padded lane groups in v10
 ]
 SIM_SHAPES = [(2, 2, 1, 64), (3, 4, 2, 32)]
 
