@@ -144,10 +144,10 @@ constexpr int kV7RowsPerGroup = 2;
 constexpr int kV7MinBlocksPerSm = 6;
 static_assert(kV7RowsPerGroup > 1, "v7 takes more rows per lane group than v6");
 
-// kRowsPerGroup (v7): the rows a lane group takes per loop trip, all loaded before any is
-// reduced (1 for v3 to v6).
 constexpr int next_power_of_two(int n) { return n <= 1 ? 1 : 2 * next_power_of_two((n + 1) / 2); }
 
+// kRowsPerGroup (v7): the rows a lane group takes per loop trip, all loaded before any is
+// reduced (1 for v3 to v6).
 // kPadded (v10): a head of a whole number of vectors that is not a power of two (12 at 96 bf16
 // elements) gets the next power of two of lanes, at most a warp (16), and the lanes or slots past
 // the head's last vector hold nothing (lane_has_vector); v3 to v9 launch power-of-two heads only.
@@ -165,7 +165,7 @@ struct V3Traits {
   static constexpr int kRowsPerBlock = kHeadsPerBlock * kRowsPerGroup;      // rows per block per loop trip
 
   static_assert(kHeadDim % kVecElems == 0, "a head is a whole number of 16-byte vectors");
-  static_assert(kVecsPerThread * kThreadsPerHead - kVecsPerHead < kThreadsPerHead, "padding is less than one slot per lane");
+  static_assert(kVecsPerThread * kThreadsPerHead - kVecsPerHead < kThreadsPerHead, "fewer padded slots than lanes in a group");
   static_assert(kWarpSize % kThreadsPerHead == 0, "heads tile a warp, so a shuffle group never spans two warps");
   static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
   static_assert(kRowsPerGroup >= 1, "a lane group takes at least one row per trip");
@@ -397,8 +397,9 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // so a group of 16 lanes takes a row and lanes 12-15 load, weigh and store nothing but join the
 // group's shuffle sum with zeros. A quarter of those lanes idle costs issue slots, not bytes: the
 // call moves exactly the row's bytes in 16-byte accesses. v2's general path, which v3 to v9 keep
-// for these head_dims, gives a warp to a row and reads 2-byte elements: at 1024 tokens x 8/1
-// heads of 96, 6.1 us against torch.compile's 5.0 (docs/results/qk_norm_h200.md at 3a29bfe).
+// for these head_dims, gives a warp to a row and reads one element per load: at 1024 tokens x 8/1
+// heads of 96, 6.1 us against torch.compile's 5.0 in the sweep of commit 3a29bfe; v10 2.65 us
+// (H200, docs/qk_norm.md).
 // The head_dims of launch_v3's v10 switch are compiled (each is a set of kernels); others stay with v2.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
@@ -454,7 +455,8 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
       return;
     }
   }
-  if constexpr (kVersion >= 7 && Tr::kVecsPerThread == 1 && !Tr::kPadded) {  // padded groups: no two-row kernel
+  // Padded groups get no two-row kernel: ptxas spilled it under v7's register bound (40).
+  if constexpr (kVersion >= 7 && Tr::kVecsPerThread == 1 && !Tr::kPadded) {
     using Tr7 = V3Traits<T, kHeadDim, kV7RowsPerGroup>;
     constexpr auto kernel7 = qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, kStreaming, kProgrammatic,
                                                kV7RowsPerGroup, kFastDivision>;
