@@ -38,57 +38,13 @@ MAX_THREADS_PER_BLOCK = 1024  # CUDA's limit; sizes the simulator's scratch
 
 
 # --------------------------------------------------------------------------------------------
-# warp_sum
-# --------------------------------------------------------------------------------------------
-@cuda.jit(device=True)
-def _warp_sum_shuffle(v):
-    """GPU: butterfly of `shfl_xor_sync` (offsets 16, 8, 4, 2, 1); after it every lane holds the sum."""
-    offset = WARP_SIZE // 2
-    while offset > 0:
-        v += cuda.shfl_xor_sync(FULL_WARP_MASK, v, offset)
-        offset //= 2
-    return v
-
-
-@cuda.jit(device=True)
-def _warp_sum_shared(v):
-    """Simulator (it has no warp shuffles): lanes meet in shared memory instead of registers.
-
-    Each thread writes `v` at its `threadIdx.x`, waits for the block, then adds up the 32 entries
-    of its own warp. The second barrier keeps a fast warp from overwriting the scratch of the
-    next call while a slow one still reads it. The simulator keys a shared array by the line
-    that allocates it, so every call of this helper gets the same scratch.
-    """
-    assert cuda.blockDim.x % WARP_SIZE == 0 and cuda.blockDim.x <= MAX_THREADS_PER_BLOCK
-    scratch = cuda.shared.array(MAX_THREADS_PER_BLOCK, np.float32)
-    tid = cuda.threadIdx.x
-    scratch[tid] = v
-    cuda.syncthreads()
-    warp_first = tid - tid % WARP_SIZE
-    total = np.float32(0.0)
-    for i in range(warp_first, warp_first + WARP_SIZE):
-        total += scratch[i]
-    cuda.syncthreads()
-    return total
-
-
-# warp_sum(v): the sum of float32 `v` over the 32 lanes of the warp; every lane gets the result.
-# Rules for callers (kernels use 1-D blocks whose size is a multiple of 32):
-# * all 32 lanes of a warp call it together (a full-warp shuffle);
-# * under the simulator it contains `syncthreads`, so EVERY thread of the block must reach each
-#   call: kernels do not return early; idle warps carry an `active` flag and add 0. That is also
-#   good GPU practice (no barrier or shuffle inside a divergent branch).
-# The GPU adds in butterfly order, the simulator lane by lane: sums may differ in the last bit.
-warp_sum = _warp_sum_shared if SIMULATOR else _warp_sum_shuffle
-
-
-# --------------------------------------------------------------------------------------------
-# lane_group_sum
+# lane_group_sum and warp_sum
 # --------------------------------------------------------------------------------------------
 @cuda.jit(device=True)
 def _lane_group_sum_shuffle(v, width):
-    """GPU: a butterfly over offsets width/2 .. 1 only: lanes exchange within their own aligned
-    group of `width` lanes (xor with an offset below `width` never leaves it)."""
+    """GPU: a butterfly of `shfl_xor_sync` over offsets width/2 .. 1; after it every lane holds
+    its group's sum. Lanes exchange within their own aligned group of `width` lanes (xor with an
+    offset below `width` never leaves it); width 32 is the whole warp (offsets 16, 8, 4, 2, 1)."""
     offset = width // 2
     while offset > 0:
         v += cuda.shfl_xor_sync(FULL_WARP_MASK, v, offset)
@@ -98,8 +54,13 @@ def _lane_group_sum_shuffle(v, width):
 
 @cuda.jit(device=True)
 def _lane_group_sum_shared(v, width):
-    """Simulator (no warp shuffles): as _warp_sum_shared, summing the `width` entries of this
-    thread's group."""
+    """Simulator (it has no warp shuffles): lanes meet in shared memory instead of registers.
+
+    Each thread writes `v` at its `threadIdx.x`, waits for the block, then adds up the `width`
+    entries of its own group. The second barrier keeps a fast warp from overwriting the scratch
+    of the next call while a slow one still reads it. The simulator keys a shared array by the
+    line that allocates it, so every call of this helper gets the same scratch.
+    """
     assert cuda.blockDim.x % WARP_SIZE == 0 and cuda.blockDim.x <= MAX_THREADS_PER_BLOCK
     scratch = cuda.shared.array(MAX_THREADS_PER_BLOCK, np.float32)
     tid = cuda.threadIdx.x
@@ -113,10 +74,30 @@ def _lane_group_sum_shared(v, width):
     return total
 
 
+@cuda.jit(device=True)
+def _warp_sum_shuffle(v):
+    """GPU: the lane-group butterfly over the whole warp."""
+    return _lane_group_sum_shuffle(v, WARP_SIZE)
+
+
+@cuda.jit(device=True)
+def _warp_sum_shared(v):
+    """Simulator: the shared-memory lane-group sum over the whole warp."""
+    return _lane_group_sum_shared(v, WARP_SIZE)
+
+
 # lane_group_sum(v, width): the sum of float32 `v` over each aligned group of `width` lanes of a
 # warp (width a power of two up to 32, the same in every lane; a build-time constant unrolls
-# it): for kernels that give each row a part of a warp. Same rules as warp_sum.
+# it): for kernels that give each row a part of a warp. warp_sum(v): the same over all 32 lanes;
+# every lane gets the result. Rules for callers (kernels use 1-D blocks whose size is a multiple
+# of 32):
+# * all 32 lanes of a warp call it together (a full-warp shuffle);
+# * under the simulator it contains `syncthreads`, so EVERY thread of the block must reach each
+#   call: kernels do not return early; idle warps carry an `active` flag and add 0. That is also
+#   good GPU practice (no barrier or shuffle inside a divergent branch).
+# The GPU adds in butterfly order, the simulator lane by lane: sums may differ in the last bit.
 lane_group_sum = _lane_group_sum_shared if SIMULATOR else _lane_group_sum_shuffle
+warp_sum = _warp_sum_shared if SIMULATOR else _warp_sum_shuffle
 
 
 # --------------------------------------------------------------------------------------------

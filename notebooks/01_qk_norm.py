@@ -270,12 +270,15 @@ print(inspect.getsource(numba_qk_norm.make_qk_norm_kernel))
 print(inspect.getsource(numba_qk_norm.make_qk_norm_kernel_v2))
 
 # %% [markdown]
-# The warp reduction comes from the shared helpers. On a GPU it is a butterfly of
-# `shfl_xor_sync`; the simulator has no warp shuffles, so there the lanes meet in shared memory.
-# That version contains `syncthreads`, which is why the kernel above never returns early: every
-# thread must reach each barrier (good GPU practice anyway).
+# The warp reduction comes from the shared helpers: `warp_sum` is the lane-group sum over all
+# 32 lanes (`lane_group_sum` serves kernels that give a row part of a warp). On a GPU it is a
+# butterfly of `shfl_xor_sync`; the simulator has no warp shuffles, so there the lanes meet in
+# shared memory. That version contains `syncthreads`, which is why the kernel above never
+# returns early: every thread must reach each barrier (good GPU practice anyway).
 
 # %%
+print(inspect.getsource(numba_helpers._lane_group_sum_shuffle))
+print(inspect.getsource(numba_helpers._lane_group_sum_shared))
 print(inspect.getsource(numba_helpers._warp_sum_shuffle))
 print(inspect.getsource(numba_helpers._warp_sum_shared))
 chosen = "_warp_sum_shared" if numba_helpers.warp_sum is numba_helpers._warp_sum_shared else "_warp_sum_shuffle"
