@@ -18,6 +18,7 @@
 // v8: v7 with the row -> (token, head) division done by a multiply-high with a magic number the host computes once per launch - removes the ~20-instruction 32-bit division from every row of every lane
 // v9: v8 with, where a call's rows fit in one trip of the grid (decode), a one-trip kernel: a lane group requests its row, then only that row's weight (q's or k's) as 16-byte vectors - removes the loop, the second weight's loads and the q/k select from a decode call's critical path
 // v10: v9 with head_dims of a whole number of 16-byte vectors that is not a power of two (80, 96, 160, 192) on the vector path: a row's lane group is padded to the next power of two of lanes, and the lanes past its last vector hold none - removes v9's fall back to v2 (a warp per row, one element per load) at those head_dims, where torch.compile was faster
+// v11: v10 with the one-trip kernel at every size: a grid of all the call's rows, which the hardware's block scheduler hands out to SMs as they free a slot - removes the persistent grid's fixed share of rows per SM, which held streaming kernels to 88-90 % of the copy on the H200 where a grid of all rows reached 96-98 %
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -402,6 +403,18 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // (H200, docs/qk_norm.md).
 // The head_dims of launch_v3's v10 switch are compiled (each is a set of kernels); others stay with v2.
 // ------------------------------------------------------------------------------------------
+// v11: v10 with the one-trip kernel at every size: a grid of all the call's rows, which the hardware's block scheduler hands out to SMs as they free a slot - removes the persistent grid's fixed share of rows per SM, which held streaming kernels to 88-90 % of the copy on the H200 where a grid of all rows reached 96-98 %
+// No new kernel: v9's one-trip kernel, launched with a block for every kHeadsPerBlock rows at
+// any size instead of only where the rows fit in one trip of the resident grid. A persistent
+// grid gives every SM the same rows up front; SMs do not stream at the same rate, so the call
+// ends when the slowest has finished its share. With a grid of all rows the block scheduler
+// gives a freed slot the next block, and fast SMs simply take more blocks. A probe of a bare
+// streaming kernel (16-byte ld/st, programmatic launch, bench harness, H200; build/ in the
+// session notes, docs/qk_norm.md) measured the difference: 151 MB moved in place, 79.3 us on
+// 8 blocks per SM, 72.9 us on a grid of all 16-byte vectors (98 % of the 256 MiB copy). What
+// v11 gives up is the persistent lane's weights in registers: each lane group loads its row's
+// weight vector (L1 hits after the first block on an SM).
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -430,7 +443,7 @@ inline void launch_persistent(bool programmatic, const Params& p, int64_t rows, 
 // 6: v5 as a programmatic dependent launch; 7: v6, or two rows per lane group where that makes
 // a call that needs two trips of v6's grid fit in one; 8: v7 with the fast division; 9: v8, or
 // the one-trip kernel where the rows fit in one trip of v8's grid; 10: v9 (launch_v3 adds the
-// padded head_dims).
+// padded head_dims); 11: the one-trip kernel on a grid of all rows, at every size.
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
@@ -445,7 +458,8 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
       qk_norm_v3_kernel<T, kHeadDim, kHfRounding, RowIndex, kStreaming, kProgrammatic, 1, kFastDivision>;
   if constexpr (kVersion >= 9) {
     const int64_t one_trip = static_cast<int64_t>(persistent_grid_limit<kernel>(Tr::kThreadsPerBlock)) * Tr::kRowsPerBlock;
-    if (rows <= one_trip) {
+    if (kVersion >= 11 || rows <= one_trip) {  // v11: at every size (rows < 2^32 here)
+      static_assert(Tr::kHeadsPerBlock >= 2, "rows < 2^32 need fewer than 2^31 blocks");
       const auto blocks = static_cast<unsigned>((rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock);
       const bool weight_vectors = is_aligned(p.q_weight, kVecBytes) && is_aligned(p.k_weight, kVecBytes);
       constexpr auto one_trip_vectors = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, true>;
@@ -514,7 +528,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 7: return launch_v3<T, kHfRounding, 7>(p, rows, stream);
     case 8: return launch_v3<T, kHfRounding, 8>(p, rows, stream);
     case 9: return launch_v3<T, kHfRounding, 9>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding, 10>(p, rows, stream);
+    case 10: return launch_v3<T, kHfRounding, 10>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 11>(p, rows, stream);
   }
 }
 
@@ -527,7 +542,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 10;
+constexpr int kNumVersions = 11;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& params, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

@@ -17,6 +17,7 @@
 // v4: lanes own whole rotation pairs: a NeoX lane holds a 16-byte vector of the first half and its partner vector of the second half, so one run of cos/sin serves both and no shuffle fetches a partner; a lane keeps one row at a time - removes v3's partner shuffles, half its cos/sin loads and the registers it spends keeping a token's cos/sin and both weights across heads (79 -> 64: 4 blocks per SM instead of 3)
 // v5: the layout and the tables' storage types fixed at compile time (the kernel picks its loop once), bf16 converted two elements per instruction, the norm scale one fma per element, x read and written by streaming global accesses - removes v4's per-element layout selects, its predicated loads for both table dtypes and its generic loads and stores (64 -> 57 registers NeoX, 48 interleaved)
 // v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
+// v7: v6 with no division on the device: where the call's rows fit in one trip of the grid (decode), one row per lane group, its token found by a multiply-high; otherwise v6's walk, its steps in tokens and heads computed by the launcher - removes the two calls into the 64-bit division routine every lane made before its first load (0.4 us of a decode call)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm_rope.cu is the torch glue.
 #pragma once
@@ -50,6 +51,9 @@ struct Params {
   int64_t k_token_stride, k_head_stride;
   float eps;
   float weight_offset;
+  FastDivisor heads_divisor;  // num_q_heads + num_kv_heads, for v7 (`launch` sets it)
+  int64_t token_step;         // v7: the grid's rows per step as whole tokens and heads (the launcher sets them)
+  int head_step;
 };
 
 inline int64_t total_rows(const Params& p) { return p.num_tokens * (p.num_q_heads + p.num_kv_heads); }
@@ -746,7 +750,8 @@ __device__ __forceinline__ void finish_row(const Params& p, const LoadedRow<T, V
 }
 
 // v4's walk: row = token * heads + head, advanced by the grid's row stride each step.
-template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT>
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT,
+          bool kHostSteps = false>
 __device__ __forceinline__ void walk_rows(const Params& p, int64_t rows) {
   using Tr = V4Traits<T, kHeadDim>;
   constexpr int kUnits = Tr::kUnitsPerThread;
@@ -756,11 +761,22 @@ __device__ __forceinline__ void walk_rows(const Params& p, int64_t rows) {
   const LaneUnits<kUnits> u = lane_units<kUnits, kNeox, Tr::kVecElems>(lane, Tr::kThreadsPerHead, p.rope_dim);
 
   const int64_t row_stride = static_cast<int64_t>(gridDim.x) * Tr::kGroupsPerBlock;
-  const int64_t token_step = row_stride / heads;
-  const int head_step = static_cast<int>(row_stride % heads);
-  const int64_t my_first_row = static_cast<int64_t>(blockIdx.x) * Tr::kGroupsPerBlock + group;
-  int64_t token = my_first_row / heads;
-  int head = static_cast<int>(my_first_row % heads);
+  int64_t token_step, token;
+  int head_step, head;
+  if constexpr (kHostSteps) {  // v7: the launcher's steps, and a multiply-high for the first row (< 2^32)
+    token_step = p.token_step;
+    head_step = p.head_step;
+    const uint32_t my_first_row = blockIdx.x * Tr::kGroupsPerBlock + group;
+    const uint32_t first_token = p.heads_divisor.divide(my_first_row);
+    token = first_token;
+    head = static_cast<int>(my_first_row - first_token * static_cast<uint32_t>(heads));
+  } else {
+    token_step = row_stride / heads;
+    head_step = static_cast<int>(row_stride % heads);
+    const int64_t my_first_row = static_cast<int64_t>(blockIdx.x) * Tr::kGroupsPerBlock + group;
+    token = my_first_row / heads;
+    head = static_cast<int>(my_first_row % heads);
+  }
 
   // `first` is uniform across the block, so every lane runs the same iterations.
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kGroupsPerBlock; first < rows; first += row_stride) {
@@ -775,18 +791,50 @@ __device__ __forceinline__ void walk_rows(const Params& p, int64_t rows) {
   }
 }
 
-template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, bool kProgrammatic = false>
+// v7's single row, where the call's rows fit in one trip of the grid: row = block * groups +
+// group (rows < 2^31, so a 32-bit index and p.heads_divisor's multiply-high find the token).
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT>
+__device__ __forceinline__ void one_row(const Params& p, int64_t rows) {
+  using Tr = V4Traits<T, kHeadDim>;
+  constexpr int kUnits = Tr::kUnitsPerThread;
+  const int lane = threadIdx.x % Tr::kThreadsPerHead;
+  const LaneUnits<kUnits> u = lane_units<kUnits, kNeox, Tr::kVecElems>(lane, Tr::kThreadsPerHead, p.rope_dim);
+  const uint32_t row = blockIdx.x * Tr::kGroupsPerBlock + threadIdx.x / Tr::kThreadsPerHead;
+  const uint32_t token = p.heads_divisor.divide(row);
+  const int head = static_cast<int>(row - token * static_cast<uint32_t>(p.num_q_heads + p.num_kv_heads));
+  const LoadedRow<T, kUnits> r = load_row<T, kUnits>(p, row < rows, token, head, u);
+  finish_row<T, kHeadDim, kHfRounding, kNeox, WeightT, CacheT>(p, r, u);  // idle groups too: whole shuffles
+}
+
+// How a lane group finds its rows: v4's walk (64-bit divisions on the device), v7's walk with the
+// launcher's steps, or v7's single row where the call's rows fit in one trip of the grid.
+constexpr int kDeviceStepsWalk = 0;
+constexpr int kHostStepsWalk = 1;
+constexpr int kOneRow = 2;
+
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, bool kProgrammatic = false,
+          int kWalk = kDeviceStepsWalk>
 __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_rope_v5_kernel(Params p, int64_t rows) {
   if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
   // The storage types are the same for the whole call: one uniform branch into the loop built
   // for them.
-  if (p.weight_is_fp32) {
-    if (p.cache_is_fp32) return walk_rows<T, kHeadDim, kHfRounding, kNeox, float, float>(p, rows);
-    return walk_rows<T, kHeadDim, kHfRounding, kNeox, float, T>(p, rows);
+  if constexpr (kWalk == kOneRow) {
+    if (p.weight_is_fp32) {
+      if (p.cache_is_fp32) return one_row<T, kHeadDim, kHfRounding, kNeox, float, float>(p, rows);
+      return one_row<T, kHeadDim, kHfRounding, kNeox, float, T>(p, rows);
+    }
+    if (p.cache_is_fp32) return one_row<T, kHeadDim, kHfRounding, kNeox, T, float>(p, rows);
+    return one_row<T, kHeadDim, kHfRounding, kNeox, T, T>(p, rows);
+  } else {
+    constexpr bool kHostSteps = kWalk == kHostStepsWalk;
+    if (p.weight_is_fp32) {
+      if (p.cache_is_fp32) return walk_rows<T, kHeadDim, kHfRounding, kNeox, float, float, kHostSteps>(p, rows);
+      return walk_rows<T, kHeadDim, kHfRounding, kNeox, float, T, kHostSteps>(p, rows);
+    }
+    if (p.cache_is_fp32) return walk_rows<T, kHeadDim, kHfRounding, kNeox, T, float, kHostSteps>(p, rows);
+    walk_rows<T, kHeadDim, kHfRounding, kNeox, T, T, kHostSteps>(p, rows);
   }
-  if (p.cache_is_fp32) return walk_rows<T, kHeadDim, kHfRounding, kNeox, T, float>(p, rows);
-  walk_rows<T, kHeadDim, kHfRounding, kNeox, T, T>(p, rows);
 }
 
 
@@ -797,6 +845,20 @@ __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
 // decode sizes (64 tokens: 4096 rows of 128 elements, 2 MiB) the call is short enough that the
 // kernel boundary is a visible part of it; this overlaps it with the previous kernel's tail when
 // that kernel lets it (the bench's previous call does). Measured on the H200: docs/qk_norm_rope.md.
+// ------------------------------------------------------------------------------------------
+// v7: v6 with no division on the device: where the call's rows fit in one trip of the grid (decode), one row per lane group, its token found by a multiply-high; otherwise v6's walk, its steps in tokens and heads computed by the launcher - removes the two calls into the 64-bit division routine every lane made before its first load (0.4 us of a decode call)
+// v4's walk starts with row / heads and row % heads in 64 bits, for the lane group's first row and
+// for the grid's stride: two calls into the 64-bit division routine in v6's SASS, dependent
+// instructions before the first load is issued, and at decode a call IS that first trip. v7's
+// launcher computes the stride's tokens and heads once (Params::token_step, head_step) and the
+// first row (< 2^32 here) is split by p.heads_divisor's multiply-high. Where the rows fit in one
+// trip, a lane group's row is simply block * groups + group: no loop, no steps at all. Measured
+// on the H200 (bench harness, v6 against v7, us): one token 1.97 -> 1.56, 64 tokens 2.47 -> 2.05,
+// 2048 tokens x 20 heads of 256 14.23 -> 13.48; the diffusion shapes within 2 % (flux_1024
+// 29.54 -> 29.26). Tried and dropped: one row per lane group at every size, on a grid
+// of all rows as qk_norm v11 does (4096 x 64 heads 38.33 against 37.58, 8192 x 72 heads 83.37
+// against 79.78), and the weight and cos/sin lines prefetched into L1 right after the row's loads
+// at decode (2.20 against 2.03).
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
@@ -872,15 +934,45 @@ inline void launch_v5_layout(const Params& p, int64_t rows, cudaStream_t stream)
   launch_persistent_rows<T, kHeadDim, kKernel, kProgrammatic>(p, rows, stream);
 }
 
+// v7 for one layout: one row per lane group where the rows fit in one trip of the resident grid,
+// else the persistent walk with the steps computed here.
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox>
+inline void launch_v7_layout(const Params& params, int64_t rows, cudaStream_t stream) {
+  using Tr = V4Traits<T, kHeadDim>;
+  constexpr auto walk_kernel = qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, kNeox, true, kHostStepsWalk>;
+  constexpr auto one_row_kernel = qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, kNeox, true, kOneRow>;
+  const int64_t needed = (rows + Tr::kGroupsPerBlock - 1) / Tr::kGroupsPerBlock;
+  const int64_t resident = persistent_grid_limit<walk_kernel>(Tr::kThreadsPerBlock);
+  if (needed <= resident) {
+    return launch_kernel(true, one_row_kernel, dim3(static_cast<unsigned>(needed)), dim3(Tr::kThreadsPerBlock), 0, stream,
+                         params, rows);
+  }
+  Params p = params;
+  const int64_t row_stride = resident * Tr::kGroupsPerBlock;
+  const int heads = p.num_q_heads + p.num_kv_heads;
+  p.token_step = row_stride / heads;
+  p.head_step = static_cast<int>(row_stride % heads);
+  launch_kernel(true, walk_kernel, dim3(static_cast<unsigned>(resident)), dim3(Tr::kThreadsPerBlock), 0, stream, p, rows);
+}
+
+template <typename T, int kHeadDim, bool kHfRounding>
+inline void launch_v7(const Params& p, int64_t rows, cudaStream_t stream) {
+  // 32-bit first rows: at most rows + a block's groups, below 2^32 (more rows run v6).
+  if (rows > static_cast<int64_t>(INT32_MAX)) return launch_v5_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);
+  if (p.is_neox) return launch_v7_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);
+  launch_v7_layout<T, kHeadDim, kHfRounding, false>(p, rows, stream);
+}
+
 template <typename T, int kHeadDim, bool kHfRounding>
 inline void launch_vector_path(const Params& p, int64_t rows, int version, cudaStream_t stream) {
   if (version == 3) return launch_v3_fixed<T, kHeadDim, kHfRounding>(p, stream);
   if (version == 4) return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v4_kernel<T, kHeadDim, kHfRounding>>(p, rows, stream);
   if (version == 5) return launch_v5_layout<T, kHeadDim, kHfRounding, false>(p, rows, stream);
-  launch_v5_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);  // v6: the same kernel, programmatic
+  if (version == 6) return launch_v5_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);  // the same kernel, programmatic
+  launch_v7<T, kHeadDim, kHfRounding>(p, rows, stream);
 }
 
-// v3 to v6: the vector path where head_dim is specialized and the data aligned, else v2's
+// v3 to v7: the vector path where head_dim is specialized and the data aligned, else v2's
 // general path (any even head_dim / rope_dim, any alignment).
 template <typename T, bool kHfRounding>
 inline void launch_vector_or_general(const Params& p, int64_t rows, int version, cudaStream_t stream) {
@@ -915,14 +1007,16 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 6;
+constexpr int kNumVersions = 7;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 // Version 1 needs `p.scratch` with scratch_elements(p, 1) floats.
-inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
+inline cudaError_t launch(const Params& params, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
   if (version < 1 || version > kNumVersions) return cudaErrorInvalidValue;
-  if (total_rows(p) == 0) return cudaSuccess;
-  if (version == 1 && p.scratch == nullptr) return cudaErrorInvalidValue;
+  if (total_rows(params) == 0) return cudaSuccess;
+  if (version == 1 && params.scratch == nullptr) return cudaErrorInvalidValue;
+  Params p = params;
+  p.heads_divisor = FastDivisor(static_cast<uint32_t>(p.num_q_heads + p.num_kv_heads));
   switch (dtype) {
     case DType::kFloat32: launch_rounding<float>(p, hf_rounding, version, stream); break;
     case DType::kFloat16: launch_rounding<__half>(p, hf_rounding, version, stream); break;

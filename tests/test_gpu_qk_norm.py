@@ -133,6 +133,21 @@ def test_padded_dispatch(version, head_dim, tokens, kernel):
     assert any(kernel in name for name in names), names
 
 
+@pytest.mark.parametrize("version, tokens, kernel", [
+    (11, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128,"), (10, 8192, "qk_norm_v3_kernel<__nv_bfloat16, 128,"),
+    (11, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128,")])
+def test_grid_of_all_rows_dispatch(version, tokens, kernel):
+    """v11 runs the one-trip kernel at every size; v10 only where the rows fit in one trip of its
+    persistent grid (8192 tokens x 72 heads walk it several times)."""
+    from cookbook import cuda
+
+    cuda.load(OP)
+    x = contract.make_inputs(tokens, 64, 8, 128, torch.bfloat16, "cuda", seed=3, fused_qkv=True)
+    names = launched_kernels(lambda: cuda.qk_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused",
+                                                  version=version))
+    assert any(kernel in name for name in names), names
+
+
 @pytest.mark.parametrize("impl", kernel_impls(OP))
 def test_token_stride_beyond_int32(impl):
     """A row stride over 2^31 elements must not overflow the kernels' index arithmetic."""

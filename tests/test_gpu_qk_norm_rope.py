@@ -15,7 +15,7 @@ import torch
 import cookbook
 from cookbook import registry
 from cookbook.ops import qk_norm_rope as contract
-from helpers import ON_GPU, clone_inputs, kernel_impls, require, run_and_compare
+from helpers import ON_GPU, clone_inputs, kernel_impls, launched_kernels, require, run_and_compare
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 OP = "qk_norm_rope"
@@ -100,7 +100,7 @@ def test_torch_compile_fullgraph():
     assert torch.equal(tensors["q"], eager["q"]) and torch.equal(tensors["k"], eager["k"])
 
 
-@pytest.mark.parametrize("version", [1, 3, 4, 5])
+@pytest.mark.parametrize("version", [1, 3, 4, 5, 7])
 def test_cuda_graph_capture_and_replay(version):
     tensors, kwargs = _public(contract.make_inputs(256, 8, 2, 128, 128, False, torch.bfloat16, "cuda", seed=3, fused_qkv=True))
     impl = registry.get(OP, f"cuda_v{version}")
@@ -127,6 +127,24 @@ def test_cuda_graph_capture_and_replay(version):
     call(expected)
     torch.cuda.synchronize()
     assert torch.equal(static["q"], expected["q"]) and torch.equal(static["k"], expected["k"])
+
+
+# qk_norm_rope_v5_kernel<T, head_dim, hf, neox, programmatic, walk>: walk 0 is v4's, 1 v7's with the
+# launcher's steps, 2 one row per lane group (v7 where the rows fit in one trip of the grid).
+@pytest.mark.parametrize("version, tokens, is_neox, walk", [
+    (7, 4096, True, 1), (7, 4096, False, 1), (7, 64, True, 2), (7, 1, False, 2), (6, 4096, True, 0), (6, 64, True, 0)])
+def test_v7_dispatch(version, tokens, is_neox, walk):
+    """v7 walks a persistent grid with the launcher's steps where the rows need several trips of
+    it (4096 tokens x 48 heads), and gives each lane group one row where they fit in one (decode)."""
+    from cookbook import cuda
+
+    cuda.load(OP)
+    x = contract.make_inputs(tokens, 24, 24, 128, 128, is_neox, torch.bfloat16, "cuda", seed=5)
+    names = launched_kernels(lambda: cuda.qk_norm_rope(x["q"], x["k"], x["q_weight"], x["k_weight"], x["cos_sin_cache"],
+                                                       x["positions"], 1e-6, 0.0, "fused", is_neox, 128, 0,
+                                                       version=version))
+    kernel = f"qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, {str(is_neox).lower()}, true, {walk}>"
+    assert any(kernel in name for name in names), names
 
 
 def test_opcheck():

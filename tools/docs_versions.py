@@ -60,12 +60,14 @@ KERNEL_INSTANCES = {
                 7: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 2, false>",
                 8: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, true>",
                 9: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true>",
-                10: "qk_norm_v3_kernel<__nv_bfloat16, 96, false, unsigned int, true, true, 1, true>"},
+                10: "qk_norm_v3_kernel<__nv_bfloat16, 96, false, unsigned int, true, true, 1, true>",
+                11: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true>"},
     "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, false>",
                         6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>",
                         7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true>"},
-    "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false>",
-                     6: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true>"},
+    "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false, 0>",
+                     6: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 0>",
+                     7: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 1>"},
 }
 
 
