@@ -85,6 +85,8 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
              "one warp per (token, head): lanes read neighbouring elements, a warp-shuffle sum of squares, a second pass writes"),
         Impl("qk_norm", "numba_v2", "numba", 2, "kernels_numba.qk_norm:qk_norm_v2",
              "head_dim fixed at build time: the row stays in registers (one read) and the unrolled loads are in flight together - removes v1's second read and one-load-at-a-time latency"),
+        Impl("qk_norm", "numba_v3", "numba", 3, "kernels_numba.qk_norm:qk_norm_v3",
+             "bf16 rows read and written as 32-bit words (two columns per load and store) by lanes sized to the head (16 per row at head_dim 128), a (token, head group) grid, unsigned indices, the rounding and the weights' storage fixed at build time (as qk_norm_rope's numba_v3) - removes v2's warp per row, its one 2-byte load per element and its signed 64-bit index arithmetic"),
         _cuda("qk_norm", 1, "one thread per (token, head) row, the naive port: a warp's loads are head_dim elements apart (uncoalesced)"),
         _cuda("qk_norm", 2, "one warp per (token, head) with a shuffle reduction: lanes read neighbouring elements (coalesced) - removes v1's scattered loads"),
         _cuda("qk_norm", 3, "16-byte vectors held in registers, lanes sized to the head, q and k on a persistent grid with the weights loaded once per thread - removes v2's second read and narrow loads"),

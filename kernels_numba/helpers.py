@@ -477,6 +477,50 @@ def bf16_round_to(v):
 
 
 # --------------------------------------------------------------------------------------------
+# Tables read by the word kernels (qk_norm's and qk_norm_rope's Numba v3): the weights and the
+# cos/sin cache, as bf16 words (an int32 view, like the rows) or as float32. pair(t, u) is
+# elements (2u, 2u + 1), word u of a bf16 table; element(t, c) is one.
+# --------------------------------------------------------------------------------------------
+class Table(NamedTuple):
+    name: str
+    pair: object
+    element: object
+
+
+@cuda.jit(device=True)
+def _float_pair(t, u):
+    return np.float32(t[2 * u]), np.float32(t[2 * u + 1])
+
+
+@cuda.jit(device=True)
+def _float_element(t, c):
+    return np.float32(t[c])
+
+
+@cuda.jit(device=True)
+def _word_pair(t, u):
+    return bf16x2_decode(t[u])
+
+
+@cuda.jit(device=True)
+def _word_element(t, c):
+    """Element c: the low (even c) or high (odd c) half of word c // 2."""
+    lo, hi = bf16x2_decode(t[c // 2])
+    return hi if c % 2 else lo
+
+
+FLOAT_TABLE = Table("float32", _float_pair, _float_element)
+WORD_TABLE = Table("bfloat16 words", _word_pair, _word_element)
+TABLE_OF = {torch.float32: FLOAT_TABLE, torch.bfloat16: WORD_TABLE}
+
+
+def has_word_view(t):
+    """Whether bf16 `t` can be viewed as int32 words (torch's rule: an even storage offset and
+    every stride but the last, contiguous one even; the last size is even by the contract)."""
+    return t.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in t.stride()[:-1])
+
+
+# --------------------------------------------------------------------------------------------
 # Launching on torch tensors
 # --------------------------------------------------------------------------------------------
 CODEC_OF = {torch.float32: FP32, torch.float16: FP16, torch.bfloat16: BF16}

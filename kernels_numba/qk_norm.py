@@ -1,4 +1,5 @@
-"""Numba kernel of `qk_norm` (v1): one warp per (token, head) row, q and k in one launch.
+"""Numba kernels of `qk_norm`: v1 (below) and v2 give each (token, head) row a warp; v3 reads bf16
+rows as 32-bit words on lanes sized to the head (see its factory). q and k in one launch.
 
 Mapping. grid.x: blocks of WARPS_PER_BLOCK warps; one warp per (token, head) row; row r < T*Hq
 is q (token r // Hq, head r % Hq), else k (the same with r - T*Hq and Hk). Lane l of a warp
@@ -26,7 +27,11 @@ import functools
 import numpy as np
 from numba import cuda
 
-from kernels_numba.helpers import CODEC_OF, MAX_THREADS_PER_BLOCK, WARP_SIZE, launch, rstd_from, warp_row, warp_sum
+import torch
+
+from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE, bf16_round_to, bf16x2_decode,
+                                   bf16x2_encode, contiguous_row, has_word_view, lane_group_sum, launch, rstd_from,
+                                   rstd_from_mean, warp_row, warp_sum)
 
 WARPS_PER_BLOCK = 4  # rows per block
 THREADS = WARP_SIZE * WARPS_PER_BLOCK
@@ -129,6 +134,107 @@ def make_qk_norm_kernel_v2(act, weight, head_dim):
                     x[d] = store(normed * w_eff)
 
     return qk_norm_kernel_v2
+
+
+# --------------------------------------------------------------------------------------------
+# v3: bf16 rows as 32-bit words, lanes sized to the head
+# --------------------------------------------------------------------------------------------
+WORDS_PER_LANE = 4  # v3: 16 bytes of a row per lane, as one CUDA C vector
+
+
+def v3_row_lanes(head_dim):
+    """v3's lanes per row: WORDS_PER_LANE words each, at most a warp; None where they would not
+    tile a warp (a row's lanes must be a power of two for the lane-group sum)."""
+    lanes = min(WARP_SIZE, head_dim // (2 * WORDS_PER_LANE))
+    whole = head_dim % (2 * lanes) == 0 if lanes else False
+    return lanes if lanes >= 1 and WARP_SIZE % lanes == 0 and whole else None
+
+
+@functools.cache
+def make_qk_norm_kernel_v3(weight, hf, head_dim):
+    """v3: v2's algorithm on bf16 rows viewed as int32 words `[T, H, D/2]` (word u holds columns
+    2u and 2u + 1; `bf16x2_decode`/`bf16x2_encode` turn it into two float32 and back), one load
+    and one store per two columns, as qk_norm_rope's Numba v3 does.
+
+    grid.x: token t; grid.y: groups of that token's heads (q's, then k's), so no division finds
+    a row's token and head. A row has ROW_LANES lanes (16 at head_dim 128, a warp from 256 on),
+    so a warp holds 32 / ROW_LANES rows and issues the per-row work (the row's address, the
+    lane-group sum, rstd) once for all of them; lane l owns words l, l + ROW_LANES, ... (WORD_SLOTS
+    of them). The rounding order and the weights' storage (bf16 words or float32) are fixed at
+    build time, and indices start from unsigned 32-bit ids, so the kernel holds one straight path.
+    What it removes from v2: a warp per row (4 elements per lane at head_dim 128, each its own
+    2-byte load, the warp's 5-step shuffle sum per row) and v2's signed 64-bit index arithmetic."""
+    ROW_LANES = v3_row_lanes(head_dim)
+    assert ROW_LANES is not None, f"v3 needs a head_dim of whole 16-byte lane slices that tile a warp, not {head_dim}"
+    WORD_SLOTS = head_dim // (2 * ROW_LANES)
+    load_w = weight.pair
+    round_to = bf16_round_to
+
+    @cuda.jit(device=True)
+    def normed(v, w, rstd, weight_offset):
+        """x * rstd * (w + weight_offset): rounded once by the store (fused) or in the HF order."""
+        if hf:
+            return round_to(v * rstd) * round_to(w + weight_offset)
+        return v * rstd * (w + weight_offset)
+
+    @cuda.jit
+    def qk_norm_kernel_v3(q, k, q_w, k_w, eps, weight_offset, inv_head_dim):
+        tid = np.uint32(cuda.threadIdx.x)
+        lane = tid % ROW_LANES
+        t = np.uint32(cuda.blockIdx.x)
+        head = np.uint32(cuda.blockIdx.y) * (np.uint32(cuda.blockDim.x) // ROW_LANES) + tid // ROW_LANES
+        q_heads, k_heads = q.shape[1], k.shape[1]
+        active = head < q_heads + k_heads  # rows past the last head keep a dummy row and store nothing
+        x, w = contiguous_row(q, t, 0), q_w
+        if head < q_heads:
+            x = contiguous_row(q, t, head)
+        elif active:
+            x, w = contiguous_row(k, t, head - q_heads), k_w
+
+        lo = cuda.local.array(WORD_SLOTS, np.float32)  # this lane's words, as float32 pairs
+        hi = cuda.local.array(WORD_SLOTS, np.float32)
+        sum_sq = np.float32(0.0)
+        for j in range(WORD_SLOTS):
+            lo[j] = hi[j] = np.float32(0.0)
+            if active:
+                lo[j], hi[j] = bf16x2_decode(x[lane + j * ROW_LANES])
+            sum_sq += lo[j] * lo[j]
+            sum_sq += hi[j] * hi[j]
+        # every thread gets here (no early return); 1 / head_dim comes from the host: no division
+        rstd = rstd_from_mean(lane_group_sum(sum_sq, ROW_LANES) * inv_head_dim, eps)
+        if active:
+            for j in range(WORD_SLOTS):
+                c = lane + j * ROW_LANES
+                w_lo, w_hi = load_w(w, c)
+                x[c] = bf16x2_encode(normed(lo[j], w_lo, rstd, weight_offset), normed(hi[j], w_hi, rstd, weight_offset))
+
+    return qk_norm_kernel_v3
+
+
+def qk_norm_v3(q, k, q_weight, k_weight, eps, weight_offset, rounding):
+    """v3, in place on checked `[T, H, D]` tensors (one dtype and device); returns nothing.
+
+    Runs v2 instead where the word path cannot apply: activations not bf16, a head_dim whose
+    16-byte lane slices do not tile a warp (`v3_row_lanes`), or a bf16 q, k or weight with no
+    int32 view (an odd storage offset or stride, e.g. a fused-qkv view at an odd column)."""
+    if q_weight.dtype != k_weight.dtype:  # one in the activation dtype, one float32: rare
+        q_weight, k_weight = q_weight.float(), k_weight.float()
+    head_dim = q.shape[2]
+    bf16 = [t for t in (q, k, q_weight, k_weight) if t.dtype == torch.bfloat16]
+    if q.dtype != torch.bfloat16 or v3_row_lanes(head_dim) is None or not all(has_word_view(t) for t in bf16):
+        qk_norm_v2(q, k, q_weight, k_weight, eps, weight_offset, rounding)
+        return
+    tokens, heads = q.shape[0], q.shape[1] + k.shape[1]
+    if tokens * heads == 0:
+        return
+    kernel = make_qk_norm_kernel_v3(TABLE_OF[q_weight.dtype], rounding == "hf", head_dim)
+    lanes = v3_row_lanes(head_dim)
+    # THREADS per block, fewer where a token has fewer heads (a tiny launch keeps its block small)
+    threads = min(THREADS, -(-heads * lanes // WARP_SIZE) * WARP_SIZE)
+    head_groups = -(-heads // (threads // lanes))
+    words = [t.view(torch.int32) if t.dtype == torch.bfloat16 else t for t in (q, k, q_weight, k_weight)]
+    scalars = (np.float32(eps), np.float32(weight_offset), np.float32(1.0 / head_dim))
+    launch(kernel, (tokens, head_groups), threads, words, scalars)
 
 
 def qk_norm_v2(q, k, q_weight, k_weight, eps, weight_offset, rounding):

@@ -33,15 +33,15 @@ from kernels_numba import _compat  # noqa: F401  (before Numba compiles anything
 
 import functools
 import math
-from typing import NamedTuple
 
 import numpy as np
 import torch
 from numba import cuda
 
-from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, WARP_SIZE, bf16_round_to, bf16x2_decode,
-                                   bf16x2_encode, contiguous_row, lane_group_sum, launch, rstd_from, rstd_from_mean,
-                                   warp_row, warp_shfl, warp_sum)
+from kernels_numba.helpers import (CODEC_OF, FLOAT_TABLE, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE,  # noqa: F401
+                                   WORD_TABLE, bf16_round_to, bf16x2_decode, bf16x2_encode, contiguous_row,
+                                   has_word_view, lane_group_sum, launch, rstd_from, rstd_from_mean, warp_row,
+                                   warp_shfl, warp_sum)
 
 WARPS_PER_BLOCK = 4  # rows per block
 THREADS = WARP_SIZE * WARPS_PER_BLOCK
@@ -287,39 +287,7 @@ def qk_norm_rope_v2(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, wei
 # --------------------------------------------------------------------------------------------
 # v3: bf16 rows as 32-bit words
 # --------------------------------------------------------------------------------------------
-# How v3 reads the weights and the cos/sin cache: as bf16 words (an int32 view, like the rows) or
-# as float32. pair(t, u) is elements (2u, 2u + 1), word u of a bf16 table; element(t, c) is one.
-class Table(NamedTuple):
-    name: str
-    pair: object
-    element: object
-
-
-@cuda.jit(device=True)
-def _float_pair(t, u):
-    return np.float32(t[2 * u]), np.float32(t[2 * u + 1])
-
-
-@cuda.jit(device=True)
-def _float_element(t, c):
-    return np.float32(t[c])
-
-
-@cuda.jit(device=True)
-def _word_pair(t, u):
-    return bf16x2_decode(t[u])
-
-
-@cuda.jit(device=True)
-def _word_element(t, c):
-    """Element c: the low (even c) or high (odd c) half of word c // 2."""
-    lo, hi = bf16x2_decode(t[c // 2])
-    return hi if c % 2 else lo
-
-
-FLOAT_TABLE = Table("float32", _float_pair, _float_element)
-WORD_TABLE = Table("bfloat16 words", _word_pair, _word_element)
-TABLE_OF = {torch.float32: FLOAT_TABLE, torch.bfloat16: WORD_TABLE}
+# The weights and the cos/sin cache are read as bf16 words or float32: helpers' `Table`s.
 WORDS_PER_LANE = 4  # v3: words of a row per lane (16 bytes, as a CUDA C vector); more from head_dim 512 on
 
 
@@ -453,12 +421,6 @@ def make_qk_norm_rope_kernel_v3(weight, cache, is_neox, hf, max_head_dim):
     return qk_norm_rope_kernel_v3
 
 
-def _has_word_view(t):
-    """Whether bf16 `t` can be viewed as int32 words (torch's rule: an even storage offset and
-    every stride but the last, contiguous one even; the last size is even by the contract)."""
-    return t.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in t.stride()[:-1])
-
-
 def qk_norm_rope_v3(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox,
                     rope_dim, position_offset):
     """v3, in place on checked `[T, H, D]` tensors (one dtype and device); returns nothing.
@@ -470,7 +432,7 @@ def qk_norm_rope_v3(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, wei
     if q_weight.dtype != k_weight.dtype:  # one in the activation dtype, one float32: rare
         q_weight, k_weight = q_weight.float(), k_weight.float()
     bf16 = [t for t in (q, k, q_weight, k_weight, cos_sin_cache) if t.dtype == torch.bfloat16]
-    if q.dtype != torch.bfloat16 or (is_neox and rope_dim % 4) or not all(_has_word_view(t) for t in bf16):
+    if q.dtype != torch.bfloat16 or (is_neox and rope_dim % 4) or not all(has_word_view(t) for t in bf16):
         qk_norm_rope_v2(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox,
                         rope_dim, position_offset)
         return
