@@ -406,14 +406,14 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // v11: v10 with the one-trip kernel at every size: a grid of all the call's rows, which the hardware's block scheduler hands out to SMs as they free a slot - removes the persistent grid's fixed share of rows per SM, which held streaming kernels to 88-90 % of the copy on the H200 where a grid of all rows reached 96-98 %
 // No new kernel: v9's one-trip kernel, launched with a block for every kHeadsPerBlock rows at
 // any size instead of only where the rows fit in one trip of the resident grid. A persistent
-// grid gives every SM the same rows up front; SMs do not stream at the same rate, so the call
-// ends when the slowest has finished its share. With a grid of all rows the block scheduler
-// gives a freed slot the next block, and fast SMs simply take more blocks. A probe of a bare
-// streaming kernel (16-byte ld/st, programmatic launch, bench harness, H200; build/ in the
-// session notes, docs/qk_norm.md) measured the difference: 151 MB moved in place, 79.3 us on
+// grid gives every SM the same rows up front, and the call lasts as long as the slowest SM's
+// share (the likely reason it loses); with a grid of all rows the block scheduler gives a freed
+// slot the next block. tools/grid_probe.py measured the difference on a bare streaming kernel
+// (16-byte ld/st, programmatic launch, bench harness, H200): 151 MB moved in place, 79.3 us on
 // 8 blocks per SM, 72.9 us on a grid of all 16-byte vectors (98 % of the 256 MiB copy). What
 // v11 gives up is the persistent lane's weights in registers: each lane group loads its row's
-// weight vector (L1 hits after the first block on an SM).
+// weight vector (L1 hits after the first block on an SM). Two rows per lane group and blocks of
+// 64, 128 or 512 threads on this grid were slower (docs/qk_norm.md).
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
