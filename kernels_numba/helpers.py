@@ -514,6 +514,15 @@ WORD_TABLE = Table("bfloat16 words", _word_pair, _word_element)
 TABLE_OF = {torch.float32: FLOAT_TABLE, torch.bfloat16: WORD_TABLE}
 
 
+WORDS_PER_LANE = 4  # a word kernel's words of a row per lane: 16 bytes, as one CUDA C vector
+
+
+def row_lanes(head_dim):
+    """Lanes per row of a word kernel: WORDS_PER_LANE words each, at most a warp (more words per
+    lane from head_dim 512 on)."""
+    return min(WARP_SIZE, head_dim // (2 * WORDS_PER_LANE))
+
+
 def has_word_view(t):
     """Whether bf16 `t` can be viewed as int32 words (torch's rule: an even storage offset and
     every stride but the last, contiguous one even; the last size is even by the contract)."""

@@ -30,8 +30,8 @@ from numba import cuda
 import torch
 
 from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE, bf16_round_to, bf16x2_decode,
-                                   bf16x2_encode, contiguous_row, has_word_view, lane_group_sum, launch, rstd_from,
-                                   rstd_from_mean, warp_row, warp_sum)
+                                   bf16x2_encode, contiguous_row, has_word_view, lane_group_sum, launch, row_lanes,
+                                   rstd_from, rstd_from_mean, warp_row, warp_sum)
 
 WARPS_PER_BLOCK = 4  # rows per block
 THREADS = WARP_SIZE * WARPS_PER_BLOCK
@@ -139,15 +139,11 @@ def make_qk_norm_kernel_v2(act, weight, head_dim):
 # --------------------------------------------------------------------------------------------
 # v3: bf16 rows as 32-bit words, lanes sized to the head
 # --------------------------------------------------------------------------------------------
-WORDS_PER_LANE = 4  # v3: 16 bytes of a row per lane, as one CUDA C vector
-
-
 def v3_row_lanes(head_dim):
-    """v3's lanes per row: WORDS_PER_LANE words each, at most a warp; None where they would not
-    tile a warp (a row's lanes must be a power of two for the lane-group sum)."""
-    lanes = min(WARP_SIZE, head_dim // (2 * WORDS_PER_LANE))
-    whole = head_dim % (2 * lanes) == 0 if lanes else False
-    return lanes if lanes >= 1 and WARP_SIZE % lanes == 0 and whole else None
+    """v3's lanes per row (`row_lanes`, as qk_norm_rope's v3), or None where the head is not a whole
+    number of them or they would not tile a warp (the lane-group sum needs a power of two)."""
+    lanes = row_lanes(head_dim)
+    return lanes if lanes >= 1 and WARP_SIZE % lanes == 0 and head_dim % (2 * lanes) == 0 else None
 
 
 @functools.cache

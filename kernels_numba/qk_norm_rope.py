@@ -38,10 +38,11 @@ import numpy as np
 import torch
 from numba import cuda
 
+# FLOAT_TABLE and WORD_TABLE are re-exported for tools/numba_ptx.py.
 from kernels_numba.helpers import (CODEC_OF, FLOAT_TABLE, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE,  # noqa: F401
                                    WORD_TABLE, bf16_round_to, bf16x2_decode, bf16x2_encode, contiguous_row,
-                                   has_word_view, lane_group_sum, launch, rstd_from, rstd_from_mean, warp_row,
-                                   warp_shfl, warp_sum)
+                                   has_word_view, lane_group_sum, launch, row_lanes, rstd_from, rstd_from_mean,
+                                   warp_row, warp_shfl, warp_sum)
 
 WARPS_PER_BLOCK = 4  # rows per block
 THREADS = WARP_SIZE * WARPS_PER_BLOCK
@@ -287,13 +288,8 @@ def qk_norm_rope_v2(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, wei
 # --------------------------------------------------------------------------------------------
 # v3: bf16 rows as 32-bit words
 # --------------------------------------------------------------------------------------------
-# The weights and the cos/sin cache are read as bf16 words or float32: helpers' `Table`s.
-WORDS_PER_LANE = 4  # v3: words of a row per lane (16 bytes, as a CUDA C vector); more from head_dim 512 on
-
-
-def row_lanes(max_head_dim):
-    """v3's lanes per row for a head_dim bucket: WORDS_PER_LANE words each, at most a warp."""
-    return min(WARP_SIZE, max_head_dim // (2 * WORDS_PER_LANE))
+# The weights and the cos/sin cache are read as bf16 words or float32 (helpers' `Table`s), and a
+# row gets helpers' `row_lanes` lanes.
 
 
 @functools.cache
