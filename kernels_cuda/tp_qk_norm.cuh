@@ -15,6 +15,7 @@
 // v3: at decode sizes the warps of a CTA share each row, the header check runs beside the wait, and the weights are prefetched into L1 before it - removes v2's serial load rounds and two round trips from the critical path
 // v4: the decode kernel advances the epoch as soon as every CTA has read it (an atomic beside the wait) instead of after every CTA has finished - removes v3's end-of-kernel atomic round trip
 // v5: v4 launched as a programmatic dependent launch: its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes, and it lets the next launch do the same - removes the launch gap between back-to-back kernels from each call
+// v6: v5 with each lane's loads of a row issued as one batch before any is used (phase 1's shard packs, phase 4's weights) - removes v5's serial round trips: its loads were generic, so the compiler kept each one behind the previous store into the shared tile (one DRAM latency per pack)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -251,7 +252,7 @@ constexpr int kFusedWarps = kFusedThreads / kWarpSize;
 constexpr int kMaxTokensPerCta = 8;
 constexpr int kMaxRowsPerCta = kNumTensors * kMaxTokensPerCta;
 constexpr int kTileBytes = 48 * 1024;  // dynamic shared memory a launch gets without opting in
-constexpr int kLoadUnroll = 4;         // packs of a row in flight per lane
+constexpr int kLoadUnroll = 4;         // packs of a row in flight per lane (v6; v2-v5's unroll)
 static_assert(kFusedThreads % kWarpSize == 0 && kFusedThreads <= kMaxWarpsPerBlock * kWarpSize,
               "v2: whole warps, at most 1024 threads");
 static_assert(kMaxRowsPerCta * kMaxRanks <= kFusedThreads, "phase 3 gives each (row, source) pair a thread");
@@ -294,7 +295,138 @@ __device__ __forceinline__ void load_weights(const Row<T>& r, int col, float wei
   }
 }
 
-template <typename T, int kElems, bool kStaged, bool kHfRounding, bool kProgrammatic = false>
+// Phase 1 of one lane: packs c = first, first + stride, ... of row t are staged in the tile
+// (kStaged), their weights prefetched into L1 (kPrefetchWeights), and their squares summed.
+// v2-v5 load a pack and then use it; a generic load may alias the shared tile, so the compiler
+// keeps each load behind the previous pack's store into it: one memory round trip per pack.
+// v6 (kBatched) issues kLoadUnroll loads before using any. Either way a lane sums its packs in
+// ascending order, so the sums (and the results) are the same bits.
+template <typename T, int kElems, bool kStaged, bool kPrefetchWeights, bool kBatched>
+__device__ __forceinline__ float stage_and_sum(const TileRow<T>& t, Pack<T, kElems>* staged, int first, int stride) {
+  using P = Pack<T, kElems>;
+  const P* const src = reinterpret_cast<const P*>(t.row.x);
+  const int packs = t.row.hidden / kElems;
+  const int weight_bytes = t.row.w_is_fp32 ? static_cast<int>(sizeof(float)) : static_cast<int>(sizeof(T));
+  float sum_sq = 0.f;
+  const auto use = [&](int c, const P& x) {
+    if constexpr (kStaged) staged[c] = x;
+    if constexpr (kPrefetchWeights) {
+      prefetch_l1(static_cast<const char*>(t.row.w) + static_cast<int64_t>(c) * kElems * weight_bytes);
+    }
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) {
+      const float xf = to_float<T>(x.v[j]);
+      sum_sq += xf * xf;
+    }
+  };
+  if constexpr (kBatched) {
+    for (int base = first; base < packs; base += kLoadUnroll * stride) {
+      P x[kLoadUnroll];
+#pragma unroll
+      for (int b = 0; b < kLoadUnroll; ++b) {
+        if (base + b * stride < packs) x[b] = src[base + b * stride];
+      }
+#pragma unroll
+      for (int b = 0; b < kLoadUnroll; ++b) {
+        if (base + b * stride < packs) use(base + b * stride, x[b]);
+      }
+    }
+  } else {
+#pragma unroll kLoadUnroll
+    for (int c = first; c < packs; c += stride) use(c, src[c]);
+  }
+  return sum_sq;
+}
+
+// A 16-byte pack's weights as loaded, not yet converted: v6 loads a batch of them before the first
+// conversion waits on one. fp32 weights fill every word; activation-type weights only words[0].
+template <typename T>
+struct RawWeights {
+  static constexpr int kFloatVecs = Vec<T>::kElems / Vec<float>::kElems;
+  uint4 words[kFloatVecs];
+};
+
+template <typename T>
+__device__ __forceinline__ RawWeights<T> load_raw_weights(const Row<T>& r, int col) {
+  RawWeights<T> raw;
+  if (r.w_is_fp32) {
+#pragma unroll
+    for (int v = 0; v < RawWeights<T>::kFloatVecs; ++v) {
+      raw.words[v] = *reinterpret_cast<const uint4*>(static_cast<const float*>(r.w) + col + v * Vec<float>::kElems);
+    }
+  } else {
+    raw.words[0] = *reinterpret_cast<const uint4*>(static_cast<const T*>(r.w) + col);
+  }
+  return raw;
+}
+
+template <typename T, bool kHfRounding>
+__device__ __forceinline__ void effective_weights(const RawWeights<T>& raw, bool w_is_fp32, float weight_offset,
+                                                  float (&w)[Vec<T>::kElems]) {
+  if (w_is_fp32) {
+#pragma unroll
+    for (int v = 0; v < RawWeights<T>::kFloatVecs; ++v) {
+      const Vec<float>& f = *reinterpret_cast<const Vec<float>*>(&raw.words[v]);
+#pragma unroll
+      for (int j = 0; j < Vec<float>::kElems; ++j) w[v * Vec<float>::kElems + j] = f.v[j];
+    }
+  } else {
+    unpack<T>(*reinterpret_cast<const Vec<T>*>(&raw.words[0]), w);
+  }
+#pragma unroll
+  for (int j = 0; j < Vec<T>::kElems; ++j) w[j] = effective_weight<T, kHfRounding>(w[j], weight_offset);
+}
+
+// Phase 4 of one lane: the same packs of row t, from the tile (kStaged) or re-read, normalized
+// with rstd and written. v6 (kBatched) issues a batch's global loads (the weights, and x where
+// the row was not staged) before the first conversion; the one-element packs of misaligned rows keep the plain loop.
+template <typename T, int kElems, bool kStaged, bool kHfRounding, bool kBatched>
+__device__ __forceinline__ void normalize_and_write(const TileRow<T>& t, const Pack<T, kElems>* staged, int first,
+                                                    int stride, float rstd, float weight_offset) {
+  using P = Pack<T, kElems>;
+  P* const dst = reinterpret_cast<P*>(t.row.x);
+  const int packs = t.row.hidden / kElems;
+  const auto write = [&](int c, const P& x, const float (&w)[kElems]) {
+    P y;
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) y.v[j] = normalize<T, kHfRounding>(to_float<T>(x.v[j]), rstd, w[j]);
+    dst[c] = y;
+  };
+  if constexpr (kBatched && kElems == Vec<T>::kElems) {
+    for (int base = first; base < packs; base += kLoadUnroll * stride) {
+      P x[kLoadUnroll];  // re-read rows only: a staged pack is read from the tile when it is used
+      RawWeights<T> raw[kLoadUnroll];
+#pragma unroll
+      for (int b = 0; b < kLoadUnroll; ++b) {
+        const int c = base + b * stride;
+        if (c < packs) {
+          if constexpr (!kStaged) x[b] = dst[c];
+          raw[b] = load_raw_weights<T>(t.row, c * kElems);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kLoadUnroll; ++b) {
+        const int c = base + b * stride;
+        if (c < packs) {
+          float w[kElems];
+          effective_weights<T, kHfRounding>(raw[b], t.row.w_is_fp32, weight_offset, w);
+          write(c, kStaged ? staged[c] : x[b], w);
+        }
+      }
+    }
+  } else {
+#pragma unroll kLoadUnroll
+    for (int c = first; c < packs; c += stride) {
+      const P x = kStaged ? staged[c] : dst[c];
+      float w[kElems];
+      load_weights<T, kElems, kHfRounding>(t.row, c * kElems, weight_offset, w);
+      write(c, x, w);
+    }
+  }
+}
+
+template <typename T, int kElems, bool kStaged, bool kHfRounding, bool kProgrammatic = false,
+          bool kBatched = false>
 __global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
   using P = Pack<T, kElems>;
   extern __shared__ __align__(kVecBytes) unsigned char tile_bytes[];
@@ -319,20 +451,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
   // Phase 1: read, stage, sum, push.
   for (int row = warp; row < rows; row += kFusedWarps) {
     const TileRow<T> t = tile_row<T>(p, first_token, tokens, row);
-    const P* const src = reinterpret_cast<const P*>(t.row.x);
-    P* const staged = tile + t.tile_offset / kElems;
-    const int packs = t.row.hidden / kElems;
-    float sum_sq = 0.f;
-#pragma unroll kLoadUnroll
-    for (int c = lane; c < packs; c += kWarpSize) {
-      const P x = src[c];
-      if constexpr (kStaged) staged[c] = x;
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) {
-        const float xf = to_float<T>(x.v[j]);
-        sum_sq += xf * xf;
-      }
-    }
+    float sum_sq = stage_and_sum<T, kElems, kStaged, false, kBatched>(t, tile + t.tile_offset / kElems, lane, kWarpSize);
     sum_sq = warp_sum(sum_sq);
     if (lane < p.world) {
       store_word(sum_slot(p, p.buffers[lane], parity, t.token, t.tensor, p.rank), tagged(epoch, __float_as_uint(sum_sq)));
@@ -360,19 +479,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
     float total = 0.f;
     for (int source = 0; source < p.world; ++source) total += partials[row][source];  // rank order
     const float rstd = rstd_from(total, t.full_width, p.shard.eps);
-    P* const dst = reinterpret_cast<P*>(t.row.x);
-    const P* const staged = tile + t.tile_offset / kElems;
-    const int packs = t.row.hidden / kElems;
-#pragma unroll kLoadUnroll
-    for (int c = lane; c < packs; c += kWarpSize) {
-      const P x = kStaged ? staged[c] : dst[c];
-      float w[kElems];
-      load_weights<T, kElems, kHfRounding>(t.row, c * kElems, p.shard.weight_offset, w);
-      P y;
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) y.v[j] = normalize<T, kHfRounding>(to_float<T>(x.v[j]), rstd, w[j]);
-      dst[c] = y;
-    }
+    normalize_and_write<T, kElems, kStaged, kHfRounding, kBatched>(t, tile + t.tile_offset / kElems, lane, kWarpSize,
+                                                                    rstd, p.shard.weight_offset);
   }
 
   end_launch(p, epoch, parity);
@@ -411,7 +519,7 @@ constexpr int kEpochThread = kFusedThreads - 1 - kMaxRanks * kHeaderWords;  // n
 static_assert(kEpochThread >= kMaxRowsPerCta * kMaxRanks, "v4: the epoch thread does not wait for sums");
 
 template <typename T, int kElems, bool kStaged, bool kHfRounding, bool kEarlyEpoch = false,
-          bool kProgrammatic = false>
+          bool kProgrammatic = false, bool kBatched = false>
 __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) {
   using P = Pack<T, kElems>;
   extern __shared__ __align__(kVecBytes) unsigned char tile_bytes[];
@@ -442,22 +550,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
   for (int unit = warp; unit < units; unit += kFusedWarps) {
     const int row = unit / slices, slice = unit % slices;
     const TileRow<T> t = tile_row<T>(p, first_token, tokens, row);
-    const P* const src = reinterpret_cast<const P*>(t.row.x);
-    P* const staged = tile + t.tile_offset / kElems;
-    const int packs = t.row.hidden / kElems;
-    const int weight_bytes = t.row.w_is_fp32 ? static_cast<int>(sizeof(float)) : static_cast<int>(sizeof(T));
-    float sum_sq = 0.f;
-#pragma unroll kLoadUnroll
-    for (int c = slice * kWarpSize + lane; c < packs; c += lanes_per_row) {
-      const P x = src[c];
-      if constexpr (kStaged) staged[c] = x;
-      prefetch_l1(static_cast<const char*>(t.row.w) + static_cast<int64_t>(c) * kElems * weight_bytes);
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) {
-        const float xf = to_float<T>(x.v[j]);
-        sum_sq += xf * xf;
-      }
-    }
+    float sum_sq = stage_and_sum<T, kElems, kStaged, true, kBatched>(t, tile + t.tile_offset / kElems,
+                                                                     slice * kWarpSize + lane, lanes_per_row);
     sum_sq = warp_sum(sum_sq);
     if (lane == 0) unit_sums[unit] = sum_sq;
   }
@@ -494,19 +588,9 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
     float total = 0.f;
     for (int source = 0; source < p.world; ++source) total += partials[row][source];  // rank order
     const float rstd = rstd_from(total, t.full_width, p.shard.eps);
-    P* const dst = reinterpret_cast<P*>(t.row.x);
-    const P* const staged = tile + t.tile_offset / kElems;
-    const int packs = t.row.hidden / kElems;
-#pragma unroll kLoadUnroll
-    for (int c = slice * kWarpSize + lane; c < packs; c += lanes_per_row) {
-      const P x = kStaged ? staged[c] : dst[c];
-      float w[kElems];
-      load_weights<T, kElems, kHfRounding>(t.row, c * kElems, p.shard.weight_offset, w);
-      P y;
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) y.v[j] = normalize<T, kHfRounding>(to_float<T>(x.v[j]), rstd, w[j]);
-      dst[c] = y;
-    }
+    normalize_and_write<T, kElems, kStaged, kHfRounding, kBatched>(t, tile + t.tile_offset / kElems,
+                                                                    slice * kWarpSize + lane, lanes_per_row, rstd,
+                                                                    p.shard.weight_offset);
   }
   if (!kEarlyEpoch || near_wrap) end_launch(p, epoch, parity);
 }
@@ -524,6 +608,17 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
 // prefill sizes, v4's at decode sizes) get it. Under CUDA graphs the attribute becomes a
 // programmatic edge; on an older GPU the host launches without it and the wait compiles away.
 // (after_prior_grids and launch_kernel, in include/common.cuh, are shared with the other ops.)
+// ------------------------------------------------------------------------------------------
+
+// ------------------------------------------------------------------------------------------
+// v6: v5 with each lane's loads of a row issued as one batch before any is used (phase 1's shard packs, phase 4's weights) - removes v5's serial round trips: its loads were generic, so the compiler kept each one behind the previous store into the shared tile (one DRAM latency per pack)
+// Seen in v5's SASS: phase 1 is LD.128, STS.128, LD.128, STS.128, ...: each store into the tile
+// waits for its load, and the next load may not pass that store (a generic address might be the
+// tile's). A lane with n packs of a row therefore waited n memory latencies before its partial
+// sum could leave: at 128 tokens of a 3072-wide shard, 3 (one token per CTA, four warps per
+// row); at 512 tokens, 12 (four tokens per CTA, a warp per row). stage_and_sum and
+// normalize_and_write (above) issue up to kLoadUnroll loads, then use them; the order in which
+// a lane sums is unchanged, so v6 gives v5's bits. Both kernels (decode and prefill) get it.
 // ------------------------------------------------------------------------------------------
 
 // ------------------------------------------------------------------------------------------
@@ -562,9 +657,11 @@ template <int kVersion, typename T, int kElems, bool kStaged, bool kHfRounding>
 inline void launch_fused_kernel(const FusedParams& p, unsigned grid, size_t tile_bytes, cudaStream_t stream) {
   constexpr bool kEarlyEpoch = kVersion >= 4;
   constexpr bool kProgrammatic = kVersion >= 5;
-  void (*kernel)(FusedParams) = kVersion == 2 || p.slices_per_row == 1
-                                    ? fused_kernel<T, kElems, kStaged, kHfRounding, kProgrammatic>
-                                    : fused_v3_kernel<T, kElems, kStaged, kHfRounding, kEarlyEpoch, kProgrammatic>;
+  constexpr bool kBatched = kVersion >= 6;
+  void (*kernel)(FusedParams) =
+      kVersion == 2 || p.slices_per_row == 1
+          ? fused_kernel<T, kElems, kStaged, kHfRounding, kProgrammatic, kBatched>
+          : fused_v3_kernel<T, kElems, kStaged, kHfRounding, kEarlyEpoch, kProgrammatic, kBatched>;
   launch_kernel(kProgrammatic, kernel, dim3(grid), dim3(kFusedThreads), tile_bytes, stream, p);
 }
 
@@ -633,7 +730,7 @@ inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cu
   });
 }
 
-constexpr int kNumVersions = 5;
+constexpr int kNumVersions = 6;
 
 // The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
 inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
@@ -646,8 +743,10 @@ inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, in
       hf_rounding ? launch_fused<3, T, true>(p, stream) : launch_fused<3, T, false>(p, stream);
     } else if (version == 4) {
       hf_rounding ? launch_fused<4, T, true>(p, stream) : launch_fused<4, T, false>(p, stream);
-    } else {
+    } else if (version == 5) {
       hf_rounding ? launch_fused<5, T, true>(p, stream) : launch_fused<5, T, false>(p, stream);
+    } else {
+      hf_rounding ? launch_fused<6, T, true>(p, stream) : launch_fused<6, T, false>(p, stream);
     }
   });
 }

@@ -36,10 +36,11 @@ VECTORS_PER_THREAD_OPS = {"cross_head_norm"}
 NAMED_KERNELS = {
     "tp_qk_norm": {
         1: ("sum_sq_kernel<__nv_bfloat16>", "apply_kernel<__nv_bfloat16, false>"),
-        2: ("fused_kernel<__nv_bfloat16, 8, true, false, false>",),
-        3: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, false, false>", "fused_kernel<__nv_bfloat16, 8, true, false, false>"),
-        4: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, false>", "fused_kernel<__nv_bfloat16, 8, true, false, false>"),
-        5: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true>", "fused_kernel<__nv_bfloat16, 8, true, false, true>"),
+        2: ("fused_kernel<__nv_bfloat16, 8, true, false, false, false>",),
+        3: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, false, false, false>", "fused_kernel<__nv_bfloat16, 8, true, false, false, false>"),
+        4: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, false, false>", "fused_kernel<__nv_bfloat16, 8, true, false, false, false>"),
+        5: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, false>", "fused_kernel<__nv_bfloat16, 8, true, false, true, false>"),
+        6: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, true>", "fused_kernel<__nv_bfloat16, 8, true, false, true, true>"),
     },
 }
 
