@@ -1,13 +1,16 @@
 """GPU probe (`python tools/row_probe.py`; results in docs/cross_head_norm.md): what a row-reduce
 kernel can reach when a CTA must read its whole row before it writes any of it (the shape of
 cross_head_norm's v3 kernel: load the row into registers, block sum of squares, scale, store),
-with no weights and contiguous rows, at the bytes of 2048 x 8192, 8192 x 8192 and 1024 x 4096
-bf16 q and k. Variants (threads x 16-byte vectors per thread = bytes per CTA):
+with contiguous rows, at the bytes of 2048 x 8192, 8192 x 8192 and 1024 x 4096 bf16 q and k.
+Variants (threads x 16-byte vectors per thread = bytes per CTA):
   row T x V: one CTA reduces its own T*V*16 bytes (a real cross_head_norm row of 8192 bf16 is
              16 KB, so only the 16 KB variants do its work; the smaller ones show what a CTA's
              share of the bytes costs);
   cluster C: a 16 KB row split over the C CTAs of a thread-block cluster, the partial sums
-             exchanged through distributed shared memory (two cluster barriers).
+             exchanged through distributed shared memory (two cluster barriers);
+  + weights: a 16 KB row variant that also reads a 16 KB bf16 weight row (one for all CTAs, as
+             cross_head_norm's q weight) and multiplies by it: the op's L2 -> SM weight traffic.
+The variants without "+ weights" read no weights.
 Timed with the bench's machinery (CUDA-graph replay, rotating sets), programmatic launches."""
 import math, sys, torch
 from torch.utils.cpp_extension import load_inline
@@ -48,8 +51,17 @@ __device__ __forceinline__ float block_sum(float s) {
   for (int w = 0; w < kThreads / 32; ++w) t += warp_sums[w];
   return t;
 }
-template <int kThreads, int kVecs, int kCluster>
-__global__ void __launch_bounds__(kThreads) row_kernel(int4* x, float inv_n) {
+__device__ __forceinline__ int4 scale_by(int4 v, float r, int4 w) {
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+  const __nv_bfloat162* g = reinterpret_cast<const __nv_bfloat162*>(&w);
+  for (int j = 0; j < 4; ++j) {
+    float2 f = __bfloat1622float2(h[j]), k = __bfloat1622float2(g[j]);
+    h[j] = __floats2bfloat162_rn(f.x * r * k.x, f.y * r * k.y);
+  }
+  return v;
+}
+template <int kThreads, int kVecs, int kCluster, bool kWeights>
+__global__ void __launch_bounds__(kThreads) row_kernel(int4* x, const int4* w, float inv_n) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   int4* base = x + static_cast<int64_t>(blockIdx.x) * kThreads * kVecs;
@@ -71,10 +83,13 @@ __global__ void __launch_bounds__(kThreads) row_kernel(int4* x, float inv_n) {
   }
   const float r = rsqrtf(total * inv_n + 1e-6f);
 #pragma unroll
-  for (int i = 0; i < kVecs; ++i) st_cs(base + i * kThreads + threadIdx.x, scale(v[i], r));
+  for (int i = 0; i < kVecs; ++i) {
+    const int4 y = kWeights ? scale_by(v[i], r, __ldg(w + i * kThreads + threadIdx.x)) : scale(v[i], r);
+    st_cs(base + i * kThreads + threadIdx.x, y);
+  }
 }
-template <int kThreads, int kVecs, int kCluster>
-void go(torch::Tensor x) {
+template <int kThreads, int kVecs, int kCluster, bool kWeights = false>
+void go(torch::Tensor x, torch::Tensor w) {
   auto stream = at::cuda::getCurrentCUDAStream().stream();
   const int64_t vecs = x.numel() * x.element_size() / 16;
   cudaLaunchAttribute a[2]{};
@@ -88,38 +103,42 @@ void go(torch::Tensor x) {
   c.stream = stream;
   c.attrs = a;
   c.numAttrs = kCluster > 1 ? 2 : 1;
-  auto err = cudaLaunchKernelEx(&c, row_kernel<kThreads, kVecs, kCluster>, reinterpret_cast<int4*>(x.data_ptr()), 1.f / 8192);
+  auto err = cudaLaunchKernelEx(&c, row_kernel<kThreads, kVecs, kCluster, kWeights>, reinterpret_cast<int4*>(x.data_ptr()),
+                                reinterpret_cast<const int4*>(w.data_ptr()), 1.f / 8192);
   TORCH_CHECK(err == cudaSuccess, cudaGetErrorString(err));
 }
-void run(torch::Tensor x, int64_t mode) {
+void run(torch::Tensor x, torch::Tensor w, int64_t mode) {
   switch (mode) {
-    case 0: return go<128, 8, 1>(x);
-    case 1: return go<256, 4, 1>(x);
-    case 2: return go<512, 2, 1>(x);
-    case 3: return go<256, 2, 1>(x);
-    case 4: return go<128, 4, 1>(x);
-    case 5: return go<256, 1, 1>(x);
-    case 6: return go<128, 2, 1>(x);
-    case 7: return go<256, 2, 2>(x);
-    case 8: return go<256, 1, 4>(x);
-    case 9: return go<128, 2, 4>(x);
-    case 10: return go<128, 1, 8>(x);
+    case 0: return go<128, 8, 1>(x, w);
+    case 1: return go<256, 4, 1>(x, w);
+    case 2: return go<512, 2, 1>(x, w);
+    case 3: return go<256, 2, 1>(x, w);
+    case 4: return go<128, 4, 1>(x, w);
+    case 5: return go<256, 1, 1>(x, w);
+    case 6: return go<128, 2, 1>(x, w);
+    case 7: return go<256, 2, 2>(x, w);
+    case 8: return go<256, 1, 4>(x, w);
+    case 9: return go<128, 2, 4>(x, w);
+    case 10: return go<128, 1, 8>(x, w);
+    case 11: return go<128, 8, 1, true>(x, w);
+    case 12: return go<256, 4, 1, true>(x, w);
   }
 }
 '''
-mod = load_inline("row_probe", cpp_sources="void run(torch::Tensor x, int64_t mode);", cuda_sources=src, functions=["run"],
+mod = load_inline("row_probe", cpp_sources="void run(torch::Tensor x, torch::Tensor w, int64_t mode);", cuda_sources=src, functions=["run"],
                   extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"], verbose=False)
 ref = bench.copy_bandwidth_gb_per_s()
 print(f"reference copy {ref/1000:.3f} TB/s")
 labels = ["row 128x8 (16 KB)", "row 256x4 (16 KB)", "row 512x2 (16 KB)", "row 256x2 (8 KB)", "row 128x4 (8 KB)",
           "row 256x1 (4 KB)", "row 128x2 (4 KB)", "cluster 2 x (256x2)", "cluster 4 x (256x1)", "cluster 4 x (128x2)",
-          "cluster 8 x (128x1)"]
+          "cluster 8 x (128x1)", "row 128x8 + weights", "row 256x4 + weights"]
+w = torch.randn(8192, device="cuda").to(torch.bfloat16)
 for shape, rows in (("2048x8192", 2 * 2048), ("8192x8192", 2 * 8192), ("1024x4096 (as 512 rows of 8192)", 1024)):
     nbytes = rows * 8192 * 2
     count = min(bench.MAX_INPUT_SETS, max(2, math.ceil(bench.L2_FLUSH_FACTOR * bench.l2_bytes() / (2 * nbytes))))
     sets = [(torch.randn(rows, 8192, device="cuda").to(torch.bfloat16),) for _ in range(count)]
     for mode, label in enumerate(labels):
-        us = bench.summarize(bench.measure(lambda x, m=mode: mod.run(x, m), sets).per_call_us)["median_us"]
+        us = bench.summarize(bench.measure(lambda x, m=mode: mod.run(x, w, m), sets).per_call_us)["median_us"]
         pct = 100 * (2 * nbytes / (us * 1e-6) / bench.BYTES_PER_GB) / ref
         print(f"{shape:32s} {label:24s} {us:8.2f} us {pct:5.1f} % of ref copy", flush=True)
     del sets
