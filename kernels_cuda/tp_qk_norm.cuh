@@ -379,7 +379,8 @@ __device__ __forceinline__ void effective_weights(const RawWeights<T>& raw, bool
 
 // Phase 4 of one lane: the same packs of row t, from the tile (kStaged) or re-read, normalized
 // with rstd and written. v6 (kBatched) issues a batch's global loads (the weights, and x where
-// the row was not staged) before the first conversion; the one-element packs of misaligned rows keep the plain loop.
+// the row was not staged) before the first conversion; the one-element packs of misaligned rows
+// keep the plain loop.
 template <typename T, int kElems, bool kStaged, bool kHfRounding, bool kBatched>
 __device__ __forceinline__ void normalize_and_write(const TileRow<T>& t, const Pack<T, kElems>* staged, int first,
                                                     int stride, float rstd, float weight_offset) {
