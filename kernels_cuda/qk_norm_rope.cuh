@@ -18,6 +18,7 @@
 // v5: the layout and the tables' storage types fixed at compile time (the kernel picks its loop once), bf16 converted two elements per instruction, the norm scale one fma per element, x read and written by streaming global accesses - removes v4's per-element layout selects, its predicated loads for both table dtypes and its generic loads and stores (64 -> 57 registers NeoX, 48 interleaved)
 // v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 // v7: v6 with no division on the device: where the call's rows fit in one trip of the grid (decode), one row per lane group, its token found by a multiply-high; otherwise v6's walk, its steps in tokens and heads computed by the launcher - removes the two calls into the 64-bit division routine every lane made before its first load (0.4 us of a decode call)
+// v8: v7 with the decode kernel's tables warmed before the wait: while the previous kernel still runs, each lane prefetches into L2 its row's weight vectors, its position and, aimed by a speculative L2-only read of that position, its cos/sin run; after the wait it reads them into registers together with the row - removes the position -> cos/sin chain of DRAM round trips (and the weights' own) from a decode call's critical path
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm_rope.cu is the torch glue.
 #pragma once
@@ -671,11 +672,94 @@ __device__ __forceinline__ void load_table(const void* table, int64_t offset, fl
   }
 }
 
-// Normalizes, rotates and stores one loaded row. Every lane of the group calls it (the sum is a
-// group shuffle); lanes of a row past the end stop after the sum.
-template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT>
+// The cos_i and sin_i of unit `unit`'s kVecElems pairs in cache row `cache`, as float32: NaN
+// for an out-of-range position (-1, nothing read), rounded to T first in the Hugging Face order.
+template <typename T, bool kHfRounding, typename CacheT, int kVecElems>
+__device__ __forceinline__ void unit_cos_sin(const Params& p, int64_t cache, int unit, float (&cos)[kVecElems],
+                                             float (&sin)[kVecElems]) {
+  if (cache < 0) {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) cos[j] = sin[j] = NAN;
+    return;
+  }
+  const int64_t cos_at = cache * p.rope_dim + unit * kVecElems;
+  load_table<CacheT, kVecElems>(p.cos_sin_cache, cos_at, cos);
+  load_table<CacheT, kVecElems>(p.cos_sin_cache, cos_at + p.rope_dim / 2, sin);
+  if constexpr (kHfRounding) {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) {
+      cos[j] = round_to<T>(cos[j]);
+      sin[j] = round_to<T>(sin[j]);
+    }
+  }
+}
+
+// Where finish_row takes a row's weights and cos/sin from, unit by unit. v5 to v7 read them
+// from memory once the row's sum is done (TablesFromMemory: nothing held across the sum, so the
+// walk keeps its register count); v8's one-row kernel reads them with the row
+// (TablesInRegisters), so they arrive while x is still in flight.
+template <typename T, int kHeadDim, bool kHfRounding, typename WeightT, typename CacheT>
+struct TablesFromMemory {
+  static constexpr int kUnits = V4Traits<T, kHeadDim>::kUnitsPerThread;
+  static constexpr int kVecElems = V4Traits<T, kHeadDim>::kVecElems;
+  const Params& p;
+  const LoadedRow<T, kUnits>& r;
+  const LaneUnits<kUnits>& u;
+
+  __device__ __forceinline__ void weights(int s, float (&wa)[kVecElems], float (&wb)[kVecElems]) const {
+    load_table<WeightT, kVecElems>(r.w, u.col_a[s], wa);
+    load_table<WeightT, kVecElems>(r.w, u.col_b[s], wb);
+  }
+  __device__ __forceinline__ void cos_sin(int s, float (&cos)[kVecElems], float (&sin)[kVecElems]) const {
+    unit_cos_sin<T, kHfRounding, CacheT, kVecElems>(p, r.cache, u.unit[s], cos, sin);
+  }
+};
+
+template <typename T, int kHeadDim>
+struct TablesInRegisters {
+  static constexpr int kUnits = V4Traits<T, kHeadDim>::kUnitsPerThread;
+  static constexpr int kVecElems = V4Traits<T, kHeadDim>::kVecElems;
+  float wa[kUnits][kVecElems], wb[kUnits][kVecElems];
+  float cos[kUnits][kVecElems], sin[kUnits][kVecElems];  // rotated units only
+
+  __device__ __forceinline__ void weights(int s, float (&a)[kVecElems], float (&b)[kVecElems]) const {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) {
+      a[j] = wa[s][j];
+      b[j] = wb[s][j];
+    }
+  }
+  __device__ __forceinline__ void cos_sin(int s, float (&c)[kVecElems], float (&n)[kVecElems]) const {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) {
+      c[j] = cos[s][j];
+      n[j] = sin[s][j];
+    }
+  }
+};
+
+// Reads a loaded row's tables into registers (a row past the end reads nothing).
+template <typename T, int kHeadDim, bool kHfRounding, typename WeightT, typename CacheT>
+__device__ __forceinline__ TablesInRegisters<T, kHeadDim> load_row_tables(
+    const Params& p, const LoadedRow<T, V4Traits<T, kHeadDim>::kUnitsPerThread>& r,
+    const LaneUnits<V4Traits<T, kHeadDim>::kUnitsPerThread>& u) {
+  const TablesFromMemory<T, kHeadDim, kHfRounding, WeightT, CacheT> memory{p, r, u};
+  TablesInRegisters<T, kHeadDim> t;
+  if (r.x == nullptr) return t;
+#pragma unroll
+  for (int s = 0; s < TablesInRegisters<T, kHeadDim>::kUnits; ++s) {
+    memory.weights(s, t.wa[s], t.wb[s]);
+    if (u.rotates[s]) memory.cos_sin(s, t.cos[s], t.sin[s]);
+  }
+  return t;
+}
+
+// Normalizes, rotates and stores one loaded row, its tables taken from `tables`. Every lane of
+// the group calls it (the sum is a group shuffle); lanes of a row past the end stop after the sum.
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename Tables>
 __device__ __forceinline__ void finish_row(const Params& p, const LoadedRow<T, V4Traits<T, kHeadDim>::kUnitsPerThread>& r,
-                                           const LaneUnits<V4Traits<T, kHeadDim>::kUnitsPerThread>& u) {
+                                           const LaneUnits<V4Traits<T, kHeadDim>::kUnitsPerThread>& u,
+                                           const Tables& tables) {
   using Tr = V4Traits<T, kHeadDim>;
   constexpr int kVecElems = Tr::kVecElems;
   constexpr int kUnits = Tr::kUnitsPerThread;
@@ -695,8 +779,7 @@ __device__ __forceinline__ void finish_row(const Params& p, const LoadedRow<T, V
 #pragma unroll
   for (int s = 0; s < kUnits; ++s) {
     float wa[kVecElems], wb[kVecElems], na[kVecElems], nb[kVecElems];
-    load_table<WeightT, kVecElems>(r.w, u.col_a[s], wa);
-    load_table<WeightT, kVecElems>(r.w, u.col_b[s], wb);
+    tables.weights(s, wa, wb);
 #pragma unroll
     for (int j = 0; j < kVecElems; ++j) {
       if constexpr (kHfRounding) {
@@ -710,21 +793,7 @@ __device__ __forceinline__ void finish_row(const Params& p, const LoadedRow<T, V
     float ya[kVecElems], yb[kVecElems];
     if (u.rotates[s]) {
       float cos[kVecElems], sin[kVecElems];  // the unit's kVecElems pairs
-      if (r.cache < 0) {
-#pragma unroll
-        for (int j = 0; j < kVecElems; ++j) cos[j] = sin[j] = NAN;
-      } else {
-        const int64_t cos_at = r.cache * p.rope_dim + u.unit[s] * kVecElems;
-        load_table<CacheT, kVecElems>(p.cos_sin_cache, cos_at, cos);
-        load_table<CacheT, kVecElems>(p.cos_sin_cache, cos_at + p.rope_dim / 2, sin);
-        if constexpr (kHfRounding) {
-#pragma unroll
-          for (int j = 0; j < kVecElems; ++j) {
-            cos[j] = round_to<T>(cos[j]);
-            sin[j] = round_to<T>(sin[j]);
-          }
-        }
-      }
+      tables.cos_sin(s, cos, sin);
 #pragma unroll
       for (int j = 0; j < kVecElems; ++j) {
         if constexpr (kNeox) {  // a = na[j], b = nb[j]: pair j
@@ -787,13 +856,44 @@ __device__ __forceinline__ void walk_rows(const Params& p, int64_t rows) {
       head -= heads;
       ++token;
     }
-    finish_row<T, kHeadDim, kHfRounding, kNeox, WeightT, CacheT>(p, r, u);
+    const TablesFromMemory<T, kHeadDim, kHfRounding, WeightT, CacheT> tables{p, r, u};
+    finish_row<T, kHeadDim, kHfRounding, kNeox>(p, r, u, tables);
+  }
+}
+
+// v8, before the wait: the row's weight vectors, its position and its cos/sin run brought into
+// L2 (warm_l2 in include/common.cuh says why this cannot make a later read stale). The cos/sin
+// run is aimed by a speculative read of the position: from L2 only (__ldcg leaves no L1 line
+// that a read after the wait could hit), possibly stale, used for nothing but the prefetch
+// addresses and kept inside the cache; load_row reads the position again after the wait.
+template <typename T, int kHeadDim, typename WeightT, typename CacheT>
+__device__ __forceinline__ void warm_row_tables(const Params& p, uint32_t token, int head,
+                                                const LaneUnits<V4Traits<T, kHeadDim>::kUnitsPerThread>& u) {
+  using Tr = V4Traits<T, kHeadDim>;
+  const WeightT* w = static_cast<const WeightT*>(head < p.num_q_heads ? p.q_weight : p.k_weight);
+#pragma unroll
+  for (int s = 0; s < Tr::kUnitsPerThread; ++s) {
+    warm_l2(w + u.col_a[s]);
+    warm_l2(w + u.col_b[s]);
+  }
+  const int64_t guess = (p.positions_are_int64 ? __ldcg(static_cast<const long long*>(p.positions) + token)
+                                               : __ldcg(static_cast<const int*>(p.positions) + token)) +
+                        p.position_offset;
+  if (guess < 0 || guess >= p.max_position) return;
+  const CacheT* cos_row = static_cast<const CacheT*>(p.cos_sin_cache) + guess * p.rope_dim;
+#pragma unroll
+  for (int s = 0; s < Tr::kUnitsPerThread; ++s) {
+    if (!u.rotates[s]) continue;
+    warm_l2(cos_row + u.unit[s] * Tr::kVecElems);
+    warm_l2(cos_row + p.rope_dim / 2 + u.unit[s] * Tr::kVecElems);
   }
 }
 
 // v7's single row, where the call's rows fit in one trip of the grid: row = block * groups +
 // group (rows < 2^31, so a 32-bit index and p.heads_divisor's multiply-high find the token).
-template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT>
+// kWarm (v8): the row's tables warmed into L2 before the wait, and read into registers right
+// after the row's loads instead of after its sum.
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT, bool kWarm>
 __device__ __forceinline__ void one_row(const Params& p, int64_t rows) {
   using Tr = V4Traits<T, kHeadDim>;
   constexpr int kUnits = Tr::kUnitsPerThread;
@@ -802,30 +902,42 @@ __device__ __forceinline__ void one_row(const Params& p, int64_t rows) {
   const uint32_t row = blockIdx.x * Tr::kGroupsPerBlock + threadIdx.x / Tr::kThreadsPerHead;
   const uint32_t token = p.heads_divisor.divide(row);
   const int head = static_cast<int>(row - token * static_cast<uint32_t>(p.num_q_heads + p.num_kv_heads));
+  if constexpr (kWarm) {  // v8: while the previous kernel still runs
+    if (row < rows) warm_row_tables<T, kHeadDim, WeightT, CacheT>(p, token, head, u);
+    after_prior_grids();
+  }
   const LoadedRow<T, kUnits> r = load_row<T, kUnits>(p, row < rows, token, head, u);
-  finish_row<T, kHeadDim, kHfRounding, kNeox, WeightT, CacheT>(p, r, u);  // idle groups too: whole shuffles
+  if constexpr (kWarm) {  // idle groups too: whole shuffles
+    finish_row<T, kHeadDim, kHfRounding, kNeox>(p, r, u, load_row_tables<T, kHeadDim, kHfRounding, WeightT, CacheT>(p, r, u));
+  } else {
+    const TablesFromMemory<T, kHeadDim, kHfRounding, WeightT, CacheT> tables{p, r, u};
+    finish_row<T, kHeadDim, kHfRounding, kNeox>(p, r, u, tables);
+  }
 }
 
 // How a lane group finds its rows: v4's walk (64-bit divisions on the device), v7's walk with the
-// launcher's steps, or v7's single row where the call's rows fit in one trip of the grid.
+// launcher's steps, or v7's single row where the call's rows fit in one trip of the grid, which
+// v8 warms.
 constexpr int kDeviceStepsWalk = 0;
 constexpr int kHostStepsWalk = 1;
 constexpr int kOneRow = 2;
+constexpr int kOneRowWarmed = 3;
 
 template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, bool kProgrammatic = false,
           int kWalk = kDeviceStepsWalk>
 __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_rope_v5_kernel(Params p, int64_t rows) {
-  if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
+  constexpr bool kWarm = kWalk == kOneRowWarmed;  // v8 waits after warming
+  if constexpr (kProgrammatic && !kWarm) after_prior_grids();  // v6: read nothing before the previous kernel is done
   // The storage types are the same for the whole call: one uniform branch into the loop built
   // for them.
-  if constexpr (kWalk == kOneRow) {
+  if constexpr (kWalk >= kOneRow) {
     if (p.weight_is_fp32) {
-      if (p.cache_is_fp32) return one_row<T, kHeadDim, kHfRounding, kNeox, float, float>(p, rows);
-      return one_row<T, kHeadDim, kHfRounding, kNeox, float, T>(p, rows);
+      if (p.cache_is_fp32) return one_row<T, kHeadDim, kHfRounding, kNeox, float, float, kWarm>(p, rows);
+      return one_row<T, kHeadDim, kHfRounding, kNeox, float, T, kWarm>(p, rows);
     }
-    if (p.cache_is_fp32) return one_row<T, kHeadDim, kHfRounding, kNeox, T, float>(p, rows);
-    return one_row<T, kHeadDim, kHfRounding, kNeox, T, T>(p, rows);
+    if (p.cache_is_fp32) return one_row<T, kHeadDim, kHfRounding, kNeox, T, float, kWarm>(p, rows);
+    return one_row<T, kHeadDim, kHfRounding, kNeox, T, T, kWarm>(p, rows);
   } else {
     constexpr bool kHostSteps = kWalk == kHostStepsWalk;
     if (p.weight_is_fp32) {
@@ -859,6 +971,19 @@ __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
 // of all rows as qk_norm v11 does (4096 x 64 heads 38.33 against 37.58, 8192 x 72 heads 83.37
 // against 79.78), and the weight and cos/sin lines prefetched into L1 right after the row's loads
 // at decode (2.20 against 2.03).
+// ------------------------------------------------------------------------------------------
+// v8: v7 with the decode kernel's tables warmed before the wait: while the previous kernel still runs, each lane prefetches into L2 its row's weight vectors, its position and, aimed by a speculative L2-only read of that position, its cos/sin run; after the wait it reads them into registers together with the row - removes the position -> cos/sin chain of DRAM round trips (and the weights' own) from a decode call's critical path
+// At decode a call is one trip: x's load and the position's leave together, but cos/sin can only
+// be requested once the position is back, so the row waited for two DRAM round trips one after
+// the other, and its weights and cos/sin were read only after its sum. Here the programmatic
+// launch's idle time at griddepcontrol.wait does the tables' DRAM round trips (warm_row_tables);
+// after the wait the position and the tables are L2 hits, read with the row
+// (load_row_tables), and the critical path is x's own round trip. Prefill shapes run v7's walk
+// unchanged (most of their CTAs start after the previous kernel is done, with no time to
+// win). Probed on the H200 (bench harness, v7 against variants in one run, us at one token / 64
+// tokens): v7 1.50 / 2.05; tables read with the row, nothing warmed, 1.42 / 2.03; warmed, tables
+// read after the sum, 1.27 / 2.03; both (v8) 1.22 / 2.00. At 64 tokens the call is mostly x's
+// 1.3 MB going in and out (a copy_ of it takes 2.06 us). docs/qk_norm_rope.md has the sweep.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
@@ -935,12 +1060,13 @@ inline void launch_v5_layout(const Params& p, int64_t rows, cudaStream_t stream)
 }
 
 // v7 for one layout: one row per lane group where the rows fit in one trip of the resident grid,
-// else the persistent walk with the steps computed here.
-template <typename T, int kHeadDim, bool kHfRounding, bool kNeox>
+// else the persistent walk with the steps computed here. v8 is the same with the warmed one-row
+// kernel (kOneRowWalk = kOneRowWarmed).
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, int kOneRowWalk>
 inline void launch_v7_layout(const Params& params, int64_t rows, cudaStream_t stream) {
   using Tr = V4Traits<T, kHeadDim>;
   constexpr auto walk_kernel = qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, kNeox, true, kHostStepsWalk>;
-  constexpr auto one_row_kernel = qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, kNeox, true, kOneRow>;
+  constexpr auto one_row_kernel = qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, kNeox, true, kOneRowWalk>;
   const int64_t needed = (rows + Tr::kGroupsPerBlock - 1) / Tr::kGroupsPerBlock;
   const int64_t resident = persistent_grid_limit<walk_kernel>(Tr::kThreadsPerBlock);
   if (needed <= resident) {
@@ -955,12 +1081,19 @@ inline void launch_v7_layout(const Params& params, int64_t rows, cudaStream_t st
   launch_kernel(true, walk_kernel, dim3(static_cast<unsigned>(resident)), dim3(Tr::kThreadsPerBlock), 0, stream, p, rows);
 }
 
+template <typename T, int kHeadDim, bool kHfRounding, int kOneRowWalk>
+inline void launch_v7_neox_or_not(const Params& p, int64_t rows, cudaStream_t stream) {
+  if (p.is_neox) return launch_v7_layout<T, kHeadDim, kHfRounding, true, kOneRowWalk>(p, rows, stream);
+  launch_v7_layout<T, kHeadDim, kHfRounding, false, kOneRowWalk>(p, rows, stream);
+}
+
+// v7 and v8.
 template <typename T, int kHeadDim, bool kHfRounding>
-inline void launch_v7(const Params& p, int64_t rows, cudaStream_t stream) {
+inline void launch_v7(const Params& p, int64_t rows, int version, cudaStream_t stream) {
   // 32-bit first rows: at most rows + a block's groups, below 2^32 (more rows run v6).
   if (rows > static_cast<int64_t>(INT32_MAX)) return launch_v5_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);
-  if (p.is_neox) return launch_v7_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);
-  launch_v7_layout<T, kHeadDim, kHfRounding, false>(p, rows, stream);
+  if (version == 7) return launch_v7_neox_or_not<T, kHeadDim, kHfRounding, kOneRow>(p, rows, stream);
+  launch_v7_neox_or_not<T, kHeadDim, kHfRounding, kOneRowWarmed>(p, rows, stream);
 }
 
 template <typename T, int kHeadDim, bool kHfRounding>
@@ -969,7 +1102,7 @@ inline void launch_vector_path(const Params& p, int64_t rows, int version, cudaS
   if (version == 4) return launch_persistent_rows<T, kHeadDim, qk_norm_rope_v4_kernel<T, kHeadDim, kHfRounding>>(p, rows, stream);
   if (version == 5) return launch_v5_layout<T, kHeadDim, kHfRounding, false>(p, rows, stream);
   if (version == 6) return launch_v5_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);  // the same kernel, programmatic
-  launch_v7<T, kHeadDim, kHfRounding>(p, rows, stream);
+  launch_v7<T, kHeadDim, kHfRounding>(p, rows, version, stream);
 }
 
 // v3 to v7: the vector path where head_dim is specialized and the data aligned, else v2's
@@ -1007,7 +1140,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 7;
+constexpr int kNumVersions = 8;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 // Version 1 needs `p.scratch` with scratch_elements(p, 1) floats.

@@ -100,7 +100,7 @@ def test_torch_compile_fullgraph():
     assert torch.equal(tensors["q"], eager["q"]) and torch.equal(tensors["k"], eager["k"])
 
 
-@pytest.mark.parametrize("version", [1, 3, 4, 5, 7])
+@pytest.mark.parametrize("version", [1, 3, 4, 5, 7, 8])
 def test_cuda_graph_capture_and_replay(version):
     tensors, kwargs = _public(contract.make_inputs(256, 8, 2, 128, 128, False, torch.bfloat16, "cuda", seed=3, fused_qkv=True))
     impl = registry.get(OP, f"cuda_v{version}")
@@ -130,12 +130,15 @@ def test_cuda_graph_capture_and_replay(version):
 
 
 # qk_norm_rope_v5_kernel<T, head_dim, hf, neox, programmatic, walk>: walk 0 is v4's, 1 v7's with the
-# launcher's steps, 2 one row per lane group (v7 where the rows fit in one trip of the grid).
+# launcher's steps, 2 one row per lane group (v7 where the rows fit in one trip of the grid), 3 the
+# same with the tables warmed before the wait (v8).
 @pytest.mark.parametrize("version, tokens, is_neox, walk", [
-    (7, 4096, True, 1), (7, 4096, False, 1), (7, 64, True, 2), (7, 1, False, 2), (6, 4096, True, 0), (6, 64, True, 0)])
+    (7, 4096, True, 1), (7, 4096, False, 1), (7, 64, True, 2), (7, 1, False, 2), (6, 4096, True, 0), (6, 64, True, 0),
+    (8, 4096, True, 1), (8, 64, True, 3), (8, 1, False, 3)])
 def test_v7_dispatch(version, tokens, is_neox, walk):
     """v7 walks a persistent grid with the launcher's steps where the rows need several trips of
-    it (4096 tokens x 48 heads), and gives each lane group one row where they fit in one (decode)."""
+    it (4096 tokens x 48 heads), and gives each lane group one row where they fit in one (decode);
+    v8 warms the tables of that one-row kernel only."""
     from cookbook import cuda
 
     cuda.load(OP)

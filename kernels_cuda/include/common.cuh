@@ -351,6 +351,20 @@ __device__ __forceinline__ void after_prior_grids() {
 #endif
 }
 
+// warm_l2(address): what a kernel may do BEFORE after_prior_grids(). prefetch.global.L2 is only a
+// hint: it brings the line holding `address` into L2 and returns nothing (no register, no L1
+// line). L2 is the point every SM's loads and stores meet, so a store of the previous kernel
+// that lands after the prefetch updates the line there, and a load issued after the wait still
+// reads the latest value: warming cannot make a kernel read stale data, whichever kernel writes
+// the line and whenever. What it buys is the DRAM round trip of data no kernel in flight writes
+// (weights, rope tables), taken while the previous kernel still runs. `address` must lie inside
+// an allocation the kernel may read.
+__device__ __forceinline__ void warm_l2(const void* address) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
+#endif
+}
+
 // Host: whether the current GPU takes programmatic dependent launches (sm_90 and later).
 inline bool programmatic_launch_supported() {
   static int cached[kMaxDevices] = {};  // 0: not queried yet, 1: no, 2: yes
