@@ -16,7 +16,6 @@
 // v6: v5 as a programmatic dependent launch (as qk_norm v6): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 // v7: v6 with, at batches whose rows fill every SM, four-warp CTAs holding up to eight vectors per thread (v3's rule, the fewest vectors per thread in CTAs of up to 512 threads, kept for smaller batches) - removes v6's 64 KiB in flight per SM at wide rows (four 512-thread CTAs of 16-32 bytes per thread) where the register file holds twice that
 // v8: v7 with, at narrow rows (up to 256 vectors, 2048 bf16 elements) and many tokens, one warp per token: q's row then k's, four tokens per CTA, no block barrier - removes v7's two small CTAs per token there (tensor-parallel shards, small models), whose dispatch, not their bytes, set the time
-// v9: v8 with, where a call's rows do not fill the GPU (one wave: decode), each thread's weight vectors prefetched into L2 before the wait, while the previous kernel still runs - removes the weights' DRAM round trip, which v3's kernel takes only after the row's block sum, from a decode call's critical path
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -210,31 +209,13 @@ __device__ __forceinline__ void store_row_vectors(const Row<T>& r, int first, in
   }
 }
 
-// v9, before the wait: the weight vectors this thread will read, brought into L2 (warm_l2 in
-// include/common.cuh says why this cannot make a later read stale).
-template <typename T, int kVecs>
-__device__ __forceinline__ void warm_row_weights(const Row<T>& r, int first, int stride) {
-  constexpr int kVecElems = Vec<T>::kElems;
-  const int num_vecs = r.hidden / kVecElems;
-  const int64_t weight_bytes = r.w_is_fp32 ? sizeof(float) : sizeof(T);
-#pragma unroll
-  for (int i = 0; i < kVecs; ++i) {
-    const int vec = first + i * stride;
-    if (vec < num_vecs) warm_l2(static_cast<const char*>(r.w) + vec * kVecElems * weight_bytes);
-  }
-}
-
 // kStreaming (v5): x is read and written by streaming global accesses (load_vec_streaming).
 // kProgrammatic (v6): launched programmatically, so nothing is read before after_prior_grids.
-// kWarmWeights (v9): the row's weights warmed into L2 before the wait.
-template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false,
-          bool kWarmWeights = false>
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false>
 __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Params p) {
   static_assert(kVecsPerThread >= 1 && kVecsPerThread <= kV3MaxVecsPerThread, "a thread holds 1..8 vectors");
-  static_assert(!kWarmWeights || kProgrammatic, "warming is what a CTA does before the wait");
-  const Row<T> r = locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));  // arithmetic on p only
-  if constexpr (kWarmWeights) warm_row_weights<T, kVecsPerThread>(r, threadIdx.x, blockDim.x);
   if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
+  const Row<T> r = locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
   Vec<T> x[kVecsPerThread];  // kept packed across the block reduction: half the registers of float32
   const float sum_sq = load_row_vectors<T, kVecsPerThread, kStreaming>(r, threadIdx.x, blockDim.x, x);
   const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
@@ -381,16 +362,6 @@ __global__ void __launch_bounds__(kV8Threads) cross_head_norm_v8_kernel(Params p
 }
 
 // ------------------------------------------------------------------------------------------
-// v9: v8 with, where a call's rows do not fill the GPU (one wave: decode), each thread's weight vectors prefetched into L2 before the wait, while the previous kernel still runs - removes the weights' DRAM round trip, which v3's kernel takes only after the row's block sum, from a decode call's critical path
-// v3's kernel reads a weight vector only when it stores the vector it scales: after the row's
-// loads and the block sum, so at one token a call is two DRAM round trips one after the other
-// (x, then the weights, as wide as the row). A programmatic launch spends the previous kernel's
-// last microseconds parked at griddepcontrol.wait; v9's one-wave kernel (kWarmWeights) first
-// issues prefetch.global.L2 for the weight vectors each thread will read, so they are L2 hits
-// when it gets to them. Where the rows fill the GPU, v7's and v8's kernels run unchanged: most
-// of their CTAs start after the previous kernel is done, and the weight lines are hot after the
-// first wave. Measured on the H200: docs/cross_head_norm.md.
-// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 inline dim3 token_tensor_grid(const Params& p) {
@@ -414,9 +385,9 @@ inline int v3_threads(int widest_vecs, int vecs_per_thread) {
   return (threads_needed + kWarpSize - 1) / kWarpSize * kWarpSize;
 }
 
-template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming, bool kProgrammatic, bool kWarm = false>
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming, bool kProgrammatic>
 inline void launch_v3_fixed(const Params& p, int widest_vecs, cudaStream_t stream) {
-  constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic, kWarm>;
+  constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic>;
   launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(v3_threads(widest_vecs, kVecsPerThread)), 0, stream,
                 p);
 }
@@ -444,9 +415,7 @@ inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStr
 // threads; rows wider than kV3MaxVecsPerThread vectors per thread stream through v2.
 // kFillGpu (v7): first, where the rows fill the GPU, the vectors per thread that fit the wider
 // row in kV7Threads threads (at most kV3MaxVecsPerThread).
-// kWarm (v9): where they do not (one wave), the kernel that warms its weights before the wait.
-template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
-          bool kWarm = false>
+template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false>
 inline void launch_v3(const Params& p, cudaStream_t stream) {
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   if (vector_aligned<T>(p)) {
@@ -461,10 +430,10 @@ inline void launch_v3(const Params& p, cudaStream_t stream) {
         return;
       }
     }
-    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding, kStreaming, kProgrammatic, kWarm>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding, kStreaming, kProgrammatic, kWarm>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding, kStreaming, kProgrammatic, kWarm>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v3_fixed<T, 8, kHfRounding, kStreaming, kProgrammatic, kWarm>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v3_fixed<T, 8, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
   }
   launch_v2<T, kHfRounding>(p, stream);  // general path: any even width, any alignment
 }
@@ -499,29 +468,26 @@ inline size_t v4_shared_bytes(const Params& p) {
 // registers (up to kV3MaxVecsPerThread vectors per thread) where v4 stops at two vectors.
 // kProgrammatic: v6, v5's kernels launched programmatically.
 // kFillGpu: v7, v6 with v3's vectors per thread picked for the row count.
-// kWarm: v9's one-wave kernel (launch_v3).
-template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
-          bool kWarm = false>
+template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
   constexpr int kWidestForV3 = kStreaming ? V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden : V3Traits<T, 2>::kMaxHidden;
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   const size_t shared_bytes = widest > kWidestForV3 ? v4_shared_bytes<T, kHfRounding, kStreaming, kProgrammatic>(p) : 0;
-  if (shared_bytes == 0) return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu, kWarm>(p, stream);
+  if (shared_bytes == 0) return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu>(p, stream);
   constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding, kStreaming, kProgrammatic>;
   launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(kV4Threads), shared_bytes, stream, p);
 }
 
 // v8's dispatch: rows of at most kV8MaxVecs vectors (16-byte aligned) at batches of at least
 // kV8TokensPerVector tokens per vector of a token (q's and k's) run the warp-per-token kernel at
-// the fewest vectors per lane that hold the wider row; the rest run v7 (kWarm: v9, whose one-wave
-// calls warm their weights).
-template <typename T, bool kHfRounding, bool kWarm = false>
+// the fewest vectors per lane that hold the wider row; the rest run v7.
+template <typename T, bool kHfRounding>
 inline void launch_v8(const Params& p, cudaStream_t stream) {
   const int q_vecs = p.q_hidden / Vec<T>::kElems, k_vecs = p.k_hidden / Vec<T>::kElems;
   const int widest_vecs = q_vecs > k_vecs ? q_vecs : k_vecs;
   const bool warp_per_token = vector_aligned<T>(p) && widest_vecs <= kV8MaxVecs &&
                               p.num_tokens >= kV8TokensPerVector * static_cast<int64_t>(q_vecs + k_vecs);
-  if (!warp_per_token) return launch_v4<T, kHfRounding, true, true, true, kWarm>(p, stream);  // v7 (v9)
+  if (!warp_per_token) return launch_v4<T, kHfRounding, true, true, true>(p, stream);  // v7
   const dim3 grid(static_cast<unsigned>((p.num_tokens + kV8Warps - 1) / kV8Warps));
   const int vecs_per_lane = (widest_vecs + kWarpSize - 1) / kWarpSize;
   auto go = [&](auto kernel) { launch_kernel(true, kernel, grid, dim3(kV8Threads), 0, stream, p); };
@@ -541,8 +507,7 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 5: return launch_v4<T, kHfRounding, true>(p, stream);
     case 6: return launch_v4<T, kHfRounding, true, true>(p, stream);
     case 7: return launch_v4<T, kHfRounding, true, true, true>(p, stream);
-    case 8: return launch_v8<T, kHfRounding>(p, stream);
-    default: return launch_v8<T, kHfRounding, true>(p, stream);
+    default: return launch_v8<T, kHfRounding>(p, stream);
   }
 }
 
@@ -555,7 +520,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 9;
+constexpr int kNumVersions = 8;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

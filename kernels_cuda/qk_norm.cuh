@@ -19,7 +19,7 @@
 // v9: v8 with, where a call's rows fit in one trip of the grid (decode), a one-trip kernel: a lane group requests its row, then only that row's weight (q's or k's) as 16-byte vectors - removes the loop, the second weight's loads and the q/k select from a decode call's critical path
 // v10: v9 with head_dims of a whole number of 16-byte vectors that is not a power of two (80, 96, 160, 192) on the vector path: a row's lane group is padded to the next power of two of lanes, and the lanes past its last vector hold none - removes v9's fall back to v2 (a warp per row, one element per load) at those head_dims, where torch.compile was faster
 // v11: v10 with the one-trip kernel at every size: a grid of all the call's rows, which the hardware's block scheduler hands out to SMs as they free a slot - removes the persistent grid's fixed share of rows per SM, which held streaming kernels to 88-90 % of the copy on the H200 where a grid of all rows reached 96-98 %
-// v12: v11 with, where a call's rows fit in one trip of the resident grid (decode), each lane's weight vectors prefetched into L2 before the wait, while the previous kernel still runs - removes the weights' DRAM round trip from a decode call, which the one-token probe put at 0.25 of its 1.17 us
+// v12: v11 with q's and k's weights prefetched into L2 by two lane groups of the first block before the wait, while the previous kernel still runs - removes the weights' DRAM round trip from a decode call, which the one-token probe put at 0.25 of its 1.17 us
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -344,8 +344,13 @@ __device__ __forceinline__ void load_weight_vector(const Params& p, const void* 
   for (int j = 0; j < kVecElems; ++j) out[j] = effective_weight<T, kHfRounding>(out[j], p.weight_offset);
 }
 
-// kWarmWeights (v12): before the wait, the lane's weight vectors are prefetched into L2
-// (warm_l2, include/common.cuh), so that after it they are L2 hits.
+constexpr int kNumWeights = 2;  // q's and k's
+
+// kWarmWeights (v12): before the wait, block 0's first two lane groups prefetch q's and k's
+// weights into L2 (warm_l2, include/common.cuh), so that after it every lane group's weight
+// loads are L2 hits. One group per weight for the whole call: when every lane group warmed its
+// own row's weight, thousands of prefetches of the same two lines queued at their L2 slices
+// and slowed the call 2-3x from 64 tokens up (docs/qk_norm.md).
 template <typename T, int kHeadDim, bool kHfRounding, bool kWeightVectors, bool kWarmWeights = false>
 __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_one_trip_kernel(Params p, uint32_t rows) {
@@ -358,11 +363,14 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
   const bool active = row < rows;  // idle groups still join their group's shuffles, on zeros
   const Row<T> r = active ? locate_row<T, uint32_t, true>(p, row) : Row<T>{nullptr, nullptr, false};
   if constexpr (kWarmWeights) {  // v12: while the previous kernel still runs
-    const int weight_bytes = p.weight_is_fp32 ? 4 : static_cast<int>(sizeof(T));
+    static_assert(Tr::kHeadsPerBlock >= kNumWeights, "block 0 has a lane group per weight");
+    const int group = threadIdx.x / Tr::kThreadsPerHead;
+    if (blockIdx.x == 0 && group < kNumWeights) {
+      const void* w = group == 0 ? p.q_weight : p.k_weight;
+      const int weight_bytes = p.weight_is_fp32 ? static_cast<int>(sizeof(float)) : static_cast<int>(sizeof(T));
 #pragma unroll
-    for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-      if (active && lane_has_vector<Tr>(lane, i)) {
-        warm_l2(static_cast<const char*>(r.w) + static_cast<int64_t>(lane_column<Tr>(lane, i, 0)) * weight_bytes);
+      for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+        if (lane_has_vector<Tr>(lane, i)) warm_l2(static_cast<const char*>(w) + lane_column<Tr>(lane, i, 0) * weight_bytes);
       }
     }
     after_prior_grids();
@@ -428,18 +436,21 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // weight vector (L1 hits after the first block on an SM). Two rows per lane group and blocks of
 // 64, 128 or 512 threads on this grid were slower (docs/qk_norm.md).
 // ------------------------------------------------------------------------------------------
-// v12: v11 with, where a call's rows fit in one trip of the resident grid (decode), each lane's weight vectors prefetched into L2 before the wait, while the previous kernel still runs - removes the weights' DRAM round trip from a decode call, which the one-token probe put at 0.25 of its 1.17 us
+// v12: v11 with q's and k's weights prefetched into L2 by two lane groups of the first block before the wait, while the previous kernel still runs - removes the weights' DRAM round trip from a decode call, which the one-token probe put at 0.25 of its 1.17 us
 // v9's kernel requests the weight right after the row, so both round trips overlap, yet the
 // one-token probe (tools/qk_norm_decode_probe.py, H200) timed the same traffic and arithmetic
 // without weights at 0.92 us against 1.17: the weight's reads, every lane group of the call
-// asking for the same two 256-byte lines at once, come back after the row's. A programmatic launch
-// spends the previous kernel's last microseconds parked at griddepcontrol.wait; v12's one-trip
-// kernel (kWarmWeights) issues prefetch.global.L2 for its weight vectors first, so they are L2
-// hits by the time it reads them. Only where the rows fit in one trip: at larger sizes most CTAs
-// start after the previous kernel has finished and the weight lines are hot after the first
-// blocks anyway. Probed on the H200 (bench harness, one token x 72 heads): v11 1.15 / 1.16 us,
-// v12 0.91 / 0.91 us in two runs; the probe without weights had taken 0.92. docs/qk_norm.md has
-// the sweep.
+// asking for the same two 256-byte lines at once, come back after the row's. A programmatic
+// launch spends the previous kernel's last microseconds parked at griddepcontrol.wait; v12's
+// kernel (kWarmWeights) has block 0 issue prefetch.global.L2 for both weights first, so they are
+// L2 hits by the time any block reads them. Block 0 is in the first wave at every size, so the
+// kernel is the same at every size; past the first wave it changes nothing.
+// Probed on the H200 (bench harness, us, v11 against v12 in one run): one token x 72 heads
+// 1.16 / 0.92. The first try warmed each lane group's own weight: 0.92 at one token, but 4.06
+// against 1.98 at 64 tokens and 9.5 against 2.9 at 1024 x 8/1 heads (thousands of prefetches of
+// the same two lines, queued at their L2 slices, in the way of the previous call's own loads of
+// them); one lane group per weight and block still lost at 1024 x 8/1 (5.0 us). docs/qk_norm.md
+// has the sweep.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
@@ -470,7 +481,7 @@ inline void launch_persistent(bool programmatic, const Params& p, int64_t rows, 
 // a call that needs two trips of v6's grid fit in one; 8: v7 with the fast division; 9: v8, or
 // the one-trip kernel where the rows fit in one trip of v8's grid; 10: v9 (launch_v3 adds the
 // padded head_dims); 11: the one-trip kernel on a grid of all rows, at every size; 12: v11
-// with the weights warmed before the wait where the rows fit in one trip of v8's grid.
+// with the weights warmed before the wait.
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
@@ -489,14 +500,9 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
       static_assert(Tr::kHeadsPerBlock >= 2, "rows < 2^32 need fewer than 2^31 blocks");
       const auto blocks = static_cast<unsigned>((rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock);
       const bool weight_vectors = is_aligned(p.q_weight, kVecBytes) && is_aligned(p.k_weight, kVecBytes);
-      if (kVersion >= 12 && rows <= one_trip) {  // v12: the weights warmed where every CTA can start early
-        constexpr auto warm_vectors = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, true, true>;
-        constexpr auto warm_elements = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, false, true>;
-        return launch_kernel(true, weight_vectors ? warm_vectors : warm_elements, dim3(blocks),
-                             dim3(Tr::kThreadsPerBlock), 0, stream, p, static_cast<uint32_t>(rows));
-      }
-      constexpr auto one_trip_vectors = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, true>;
-      constexpr auto one_trip_elements = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, false>;
+      constexpr bool kWarm = kVersion >= 12;  // v12: the weights warmed before the wait
+      constexpr auto one_trip_vectors = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, true, kWarm>;
+      constexpr auto one_trip_elements = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, false, kWarm>;
       launch_kernel(true, weight_vectors ? one_trip_vectors : one_trip_elements, dim3(blocks),
                     dim3(Tr::kThreadsPerBlock), 0, stream, p, static_cast<uint32_t>(rows));
       return;

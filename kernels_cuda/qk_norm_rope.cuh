@@ -18,7 +18,7 @@
 // v5: the layout and the tables' storage types fixed at compile time (the kernel picks its loop once), bf16 converted two elements per instruction, the norm scale one fma per element, x read and written by streaming global accesses - removes v4's per-element layout selects, its predicated loads for both table dtypes and its generic loads and stores (64 -> 57 registers NeoX, 48 interleaved)
 // v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 // v7: v6 with no division on the device: where the call's rows fit in one trip of the grid (decode), one row per lane group, its token found by a multiply-high; otherwise v6's walk, its steps in tokens and heads computed by the launcher - removes the two calls into the 64-bit division routine every lane made before its first load (0.4 us of a decode call)
-// v8: v7 with the decode kernel's tables warmed before the wait: while the previous kernel still runs, each lane prefetches into L2 its row's weight vectors, its position and, aimed by a speculative L2-only read of that position, its cos/sin run; after the wait it reads them into registers together with the row - removes the position -> cos/sin chain of DRAM round trips (and the weights' own) from a decode call's critical path
+// v8: v7 with the decode kernel's tables warmed before the wait: while the previous kernel still runs, the weights and each token's position and cos/sin run (aimed by a speculative L2-only read of the position) are prefetched into L2, each by one lane group; after the wait a lane reads its row's tables into registers together with the row - removes the position -> cos/sin chain of DRAM round trips (and the weights' own) from a decode call's critical path
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm_rope.cu is the torch glue.
 #pragma once
@@ -861,21 +861,30 @@ __device__ __forceinline__ void walk_rows(const Params& p, int64_t rows) {
   }
 }
 
-// v8, before the wait: the row's weight vectors, its position and its cos/sin run brought into
-// L2 (warm_l2 in include/common.cuh says why this cannot make a later read stale). The cos/sin
-// run is aimed by a speculative read of the position: from L2 only (__ldcg leaves no L1 line
-// that a read after the wait could hit), possibly stale, used for nothing but the prefetch
-// addresses and kept inside the cache; load_row reads the position again after the wait.
+constexpr int kNumWeights = 2;  // q's and k's
+
+// v8, before the wait: the call's tables brought into L2 (warm_l2 in include/common.cuh says why
+// this cannot make a later read stale), each line by one lane group of the call: the weights by
+// block 0's first two groups, a token's position and cos/sin run by the group of its first head.
+// (Every group warming its own row's tables queued thousands of prefetches of the same lines at
+// their L2 slices: docs/qk_norm_rope.md.) The cos/sin run is aimed by a speculative read of the
+// position: from L2 only (__ldcg leaves no L1 line that a read after the wait could hit),
+// possibly stale, used for nothing but the prefetch addresses and kept inside the cache;
+// load_row reads the position again after the wait.
 template <typename T, int kHeadDim, typename WeightT, typename CacheT>
-__device__ __forceinline__ void warm_row_tables(const Params& p, uint32_t token, int head,
-                                                const LaneUnits<V4Traits<T, kHeadDim>::kUnitsPerThread>& u) {
+__device__ __forceinline__ void warm_call_tables(const Params& p, bool active, uint32_t token, int head, int group,
+                                                 const LaneUnits<V4Traits<T, kHeadDim>::kUnitsPerThread>& u) {
   using Tr = V4Traits<T, kHeadDim>;
-  const WeightT* w = static_cast<const WeightT*>(head < p.num_q_heads ? p.q_weight : p.k_weight);
+  static_assert(Tr::kGroupsPerBlock >= kNumWeights, "block 0 has a lane group per weight");
+  if (blockIdx.x == 0 && group < kNumWeights) {
+    const WeightT* w = static_cast<const WeightT*>(group == 0 ? p.q_weight : p.k_weight);
 #pragma unroll
-  for (int s = 0; s < Tr::kUnitsPerThread; ++s) {
-    warm_l2(w + u.col_a[s]);
-    warm_l2(w + u.col_b[s]);
+    for (int s = 0; s < Tr::kUnitsPerThread; ++s) {
+      warm_l2(w + u.col_a[s]);
+      warm_l2(w + u.col_b[s]);
+    }
   }
+  if (!active || head != 0) return;
   const int64_t guess = (p.positions_are_int64 ? __ldcg(static_cast<const long long*>(p.positions) + token)
                                                : __ldcg(static_cast<const int*>(p.positions) + token)) +
                         p.position_offset;
@@ -891,19 +900,20 @@ __device__ __forceinline__ void warm_row_tables(const Params& p, uint32_t token,
 
 // v7's single row, where the call's rows fit in one trip of the grid: row = block * groups +
 // group (rows < 2^31, so a 32-bit index and p.heads_divisor's multiply-high find the token).
-// kWarm (v8): the row's tables warmed into L2 before the wait, and read into registers right
-// after the row's loads instead of after its sum.
+// kWarm (v8): the call's tables warmed into L2 before the wait, and the row's read into
+// registers right after the row's loads instead of after its sum.
 template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT, bool kWarm>
 __device__ __forceinline__ void one_row(const Params& p, int64_t rows) {
   using Tr = V4Traits<T, kHeadDim>;
   constexpr int kUnits = Tr::kUnitsPerThread;
   const int lane = threadIdx.x % Tr::kThreadsPerHead;
   const LaneUnits<kUnits> u = lane_units<kUnits, kNeox, Tr::kVecElems>(lane, Tr::kThreadsPerHead, p.rope_dim);
-  const uint32_t row = blockIdx.x * Tr::kGroupsPerBlock + threadIdx.x / Tr::kThreadsPerHead;
+  const int group = threadIdx.x / Tr::kThreadsPerHead;
+  const uint32_t row = blockIdx.x * Tr::kGroupsPerBlock + group;
   const uint32_t token = p.heads_divisor.divide(row);
   const int head = static_cast<int>(row - token * static_cast<uint32_t>(p.num_q_heads + p.num_kv_heads));
   if constexpr (kWarm) {  // v8: while the previous kernel still runs
-    if (row < rows) warm_row_tables<T, kHeadDim, WeightT, CacheT>(p, token, head, u);
+    warm_call_tables<T, kHeadDim, WeightT, CacheT>(p, row < rows, token, head, group, u);
     after_prior_grids();
   }
   const LoadedRow<T, kUnits> r = load_row<T, kUnits>(p, row < rows, token, head, u);
@@ -972,18 +982,20 @@ __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
 // against 79.78), and the weight and cos/sin lines prefetched into L1 right after the row's loads
 // at decode (2.20 against 2.03).
 // ------------------------------------------------------------------------------------------
-// v8: v7 with the decode kernel's tables warmed before the wait: while the previous kernel still runs, each lane prefetches into L2 its row's weight vectors, its position and, aimed by a speculative L2-only read of that position, its cos/sin run; after the wait it reads them into registers together with the row - removes the position -> cos/sin chain of DRAM round trips (and the weights' own) from a decode call's critical path
+// v8: v7 with the decode kernel's tables warmed before the wait: while the previous kernel still runs, the weights and each token's position and cos/sin run (aimed by a speculative L2-only read of the position) are prefetched into L2, each by one lane group; after the wait a lane reads its row's tables into registers together with the row - removes the position -> cos/sin chain of DRAM round trips (and the weights' own) from a decode call's critical path
 // At decode a call is one trip: x's load and the position's leave together, but cos/sin can only
 // be requested once the position is back, so the row waited for two DRAM round trips one after
 // the other, and its weights and cos/sin were read only after its sum. Here the programmatic
-// launch's idle time at griddepcontrol.wait does the tables' DRAM round trips (warm_row_tables);
+// launch's idle time at griddepcontrol.wait does the tables' DRAM round trips (warm_call_tables);
 // after the wait the position and the tables are L2 hits, read with the row
 // (load_row_tables), and the critical path is x's own round trip. Prefill shapes run v7's walk
 // unchanged (most of their CTAs start after the previous kernel is done, with no time to
 // win). Probed on the H200 (bench harness, v7 against variants in one run, us at one token / 64
-// tokens): v7 1.50 / 2.05; tables read with the row, nothing warmed, 1.42 / 2.03; warmed, tables
-// read after the sum, 1.27 / 2.03; both (v8) 1.22 / 2.00. At 64 tokens the call is mostly x's
-// 1.3 MB going in and out (a copy_ of it takes 2.06 us). docs/qk_norm_rope.md has the sweep.
+// tokens), with every lane group warming its own row's tables: v7 1.50 / 2.05; tables read with
+// the row, nothing warmed, 1.42 / 2.03; warmed, tables read after the sum, 1.27 / 2.03; both
+// 1.22 / 2.00. At 64 tokens the call is mostly x's 1.3 MB going in and out (a copy_ of it takes
+// 2.06 us). Warming each line once per call instead (qk_norm v12 lost 2-3x from 64 tokens up
+// with a warm per lane group): docs/qk_norm_rope.md has the sweep.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------

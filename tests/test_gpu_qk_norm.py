@@ -137,11 +137,12 @@ def test_padded_dispatch(version, head_dim, tokens, kernel):
     (11, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128,"), (10, 8192, "qk_norm_v3_kernel<__nv_bfloat16, 128,"),
     (11, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128,"),
     (12, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true>"),
-    (12, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, false>")])
+    (12, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true>"),
+    (11, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, false>")])
 def test_grid_of_all_rows_dispatch(version, tokens, kernel):
     """v11 runs the one-trip kernel at every size; v10 only where the rows fit in one trip of its
-    persistent grid (8192 tokens x 72 heads walk it several times); v12 warms the weights only
-    where they fit in one trip."""
+    persistent grid (8192 tokens x 72 heads walk it several times); v12 is v11's kernel with the
+    weights warmed, at every size."""
     from cookbook import cuda
 
     cuda.load(OP)

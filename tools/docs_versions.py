@@ -53,8 +53,7 @@ NAMED_KERNELS = {
 # with the weights warmed, named); cross_head_norm v5 is v4's dispatch with streaming kernels
 # (v4's bulk-copy kernel named), v6 the same launched programmatically, v7 v6 with v3's kernel at
 # up to eight vectors per thread where the rows fill the GPU (the eight-vector kernel named; v8's
-# warp-per-token kernels come out of the pattern as one cell, per vectors per lane; v9's one-wave
-# kernel with warmed weights, at two vectors per thread, named);
+# warp-per-token kernels come out of the pattern as one cell, per vectors per lane);
 # qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named; v7's walk, v8's warmed
 # one-row kernel).
 KERNEL_INSTANCES = {
@@ -69,8 +68,7 @@ KERNEL_INSTANCES = {
                 12: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true>"},
     "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, false>",
                         6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>",
-                        7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, false>",
-                        9: "cross_head_norm_v3_kernel<__nv_bfloat16, 2, false, true, true, true>"},
+                        7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true>"},
     "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false, 0>",
                      6: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 0>",
                      7: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 1>",
