@@ -396,6 +396,13 @@ for impl in cuda_versions:
 #   (`tools/grid_probe.py`): in place over 151 MB, 79.3 us on a persistent grid against 72.9 us
 #   on a grid of all vectors. For qk_norm: 90 -> 95 % of the copy at 8192 tokens x 72 heads,
 #   74 -> 80 % at 1024 tokens. The price, each group loading its row's weight, is an L1 hit.
+# * **v12** uses the time a programmatic launch spends parked at `griddepcontrol.wait`. Before
+#   the wait nothing the previous kernel may write can be *read*, but a line can be *warmed*:
+#   `prefetch.global.L2` brings it into L2 and returns nothing, and L2 is where every store
+#   lands, so a later load still sees the latest value. Two lane groups of block 0 warm q's and
+#   k's weights, and by the time any block reads them they are L2 hits: 1.15 -> 0.95 us at one
+#   token, 1.98 -> 1.76 at 64. (Warming per lane group instead, thousands of prefetches of the
+#   same two lines, was 2-3x slower from 64 tokens up.)
 #
 # ## 8. What the compiler says: registers per kernel
 #
@@ -417,11 +424,11 @@ else:
     # qk_norm_v3_kernelI13__nv_bfloat16Li128ELb0ElLb0ELb0ELi1ELb0EE is v3<bf16, head_dim 128,
     # fused, int64 rows (l), no streaming, no programmatic launch, 1 row per lane group, no fast
     # division>; with 32-bit rows (j) the flags say which version launches it; v9's decode kernel
-    # is qk_norm_one_trip_kernel (its 16-byte-weight instance, the last flag 1), which v11 runs at
-    # every size.
+    # is qk_norm_one_trip_kernel (its 16-byte-weight instance, the fourth flag 1), which v11 runs at
+    # every size, and v12 with its last flag (the weights warmed before the wait) set.
     name = re.compile(r"qk_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb([01])E"
                       r"(?:([jl])Lb([01])ELb([01])ELi(\d)ELb([01])E)?")
-    one_trip = re.compile(r"qk_norm_one_trip_kernelI13__nv_bfloat16Li(\d+)ELb([01])ELb1E")
+    one_trip = re.compile(r"qk_norm_one_trip_kernelI13__nv_bfloat16Li(\d+)ELb([01])ELb1ELb([01])E")
     # (streaming, programmatic, rows per lane group, fast division) of the 32-bit-row kernels
     versions = {("0", "0", "1", "0"): "v4", ("1", "0", "1", "0"): "v5", ("1", "1", "1", "0"): "v6",
                 ("1", "1", "2", "0"): "v7 (two rows per group)", ("1", "1", "1", "1"): "v8",
@@ -434,7 +441,8 @@ else:
             version = versions[m.group(5, 6, 7, 8)] if m.group(4) == "j" else f"v{m.group(1)}"
             hf = m.group(3) == "1"
         elif m_one and m_one.group(1) == "128":
-            version, hf = "v9 (one trip), v11", m_one.group(2) == "1"
+            version = "v12 (weights warmed)" if m_one.group(3) == "1" else "v9 (one trip), v11"
+            hf = m_one.group(2) == "1"
         else:
             continue
         per_warp = -(-k.registers * 32 // REGISTER_ALLOC_UNIT) * REGISTER_ALLOC_UNIT
@@ -442,7 +450,8 @@ else:
         table.append((version, "hf" if hf else "fused", k.registers, k.spill_bytes, warps))
     print("| version | rounding | registers | spill bytes | warps/SM the registers allow |")
     print("|---|---|---|---|---|")
-    for version, rounding, registers, spills, warps in sorted(table, key=lambda row: (int(row[0][1]), row[0], row[1])):
+    number = lambda version: int(re.match(r"v(\d+)", version).group(1))
+    for version, rounding, registers, spills, warps in sorted(table, key=lambda row: (number(row[0]), row[0], row[1])):
         print(f"| {version} | {rounding} | {registers} | {spills} | {warps} |")
 
 # %% [markdown]
