@@ -745,11 +745,12 @@ __device__ __forceinline__ TablesInRegisters<T, kHeadDim> load_row_tables(
     const LaneUnits<V4Traits<T, kHeadDim>::kUnitsPerThread>& u) {
   const TablesFromMemory<T, kHeadDim, kHfRounding, WeightT, CacheT> memory{p, r, u};
   TablesInRegisters<T, kHeadDim> t;
-  if (r.x == nullptr) return t;
+  if (r.x != nullptr) {  // a row past the end reads nothing (it stops after the sum)
 #pragma unroll
-  for (int s = 0; s < TablesInRegisters<T, kHeadDim>::kUnits; ++s) {
-    memory.weights(s, t.wa[s], t.wb[s]);
-    if (u.rotates[s]) memory.cos_sin(s, t.cos[s], t.sin[s]);
+    for (int s = 0; s < TablesInRegisters<T, kHeadDim>::kUnits; ++s) {
+      memory.weights(s, t.wa[s], t.wb[s]);
+      if (u.rotates[s]) memory.cos_sin(s, t.cos[s], t.sin[s]);
+    }
   }
   return t;
 }
