@@ -349,8 +349,8 @@ constexpr int kNumWeights = 2;  // q's and k's
 // kWarmWeights (v12): before the wait, block 0's first two lane groups prefetch q's and k's
 // weights into L2 (warm_l2, include/common.cuh), so that after it every lane group's weight
 // loads are L2 hits. One group per weight for the whole call: when every lane group warmed its
-// own row's weight, thousands of prefetches of the same two lines queued at their L2 slices
-// and slowed the call 2-3x from 64 tokens up (docs/qk_norm.md).
+// own row's weight, thousands of prefetches of the same two lines (most likely queued at their
+// L2 slices) slowed the call 2-3x from 64 tokens up (docs/qk_norm.md).
 template <typename T, int kHeadDim, bool kHfRounding, bool kWeightVectors, bool kWarmWeights = false>
 __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_one_trip_kernel(Params p, uint32_t rows) {
@@ -440,17 +440,18 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // v9's kernel requests the weight right after the row, so both round trips overlap, yet the
 // one-token probe (tools/qk_norm_decode_probe.py, H200) timed the same traffic and arithmetic
 // without weights at 0.92 us against 1.17: the weight's reads, every lane group of the call
-// asking for the same two 256-byte lines at once, come back after the row's. A programmatic
+// asking for the same two 256-byte lines at once, apparently come back after the row's. A programmatic
 // launch spends the previous kernel's last microseconds parked at griddepcontrol.wait; v12's
 // kernel (kWarmWeights) has block 0 issue prefetch.global.L2 for both weights first, so they are
 // L2 hits by the time any block reads them. Block 0 is in the first wave at every size, so the
 // kernel is the same at every size; past the first wave it changes nothing.
 // Probed on the H200 (bench harness, us, v11 against v12 in one run): one token x 72 heads
-// 1.16 / 0.92. The first try warmed each lane group's own weight: 0.92 at one token, but 4.06
-// against 1.98 at 64 tokens and 9.5 against 2.9 at 1024 x 8/1 heads (thousands of prefetches of
-// the same two lines, queued at their L2 slices, in the way of the previous call's own loads of
-// them); one lane group per weight and block still lost at 1024 x 8/1 (5.0 us). docs/qk_norm.md
-// has the sweep.
+// 1.15 / 0.95, 64 tokens 1.98 / 1.76, 1024 tokens x 8/1 heads 2.86 / 2.63. The first try warmed
+// each lane group's own weight: 0.92 at one token, but 4.06 against 1.98 at 64 tokens and 9.5
+// against 2.9 at 1024 x 8/1 (thousands of prefetches of the same two lines, most likely queued
+// at their L2 slices in the way of the previous call's own loads of them; not profiled); one
+// lane group per weight and block still lost at 1024 x 8/1 (5.0 us). docs/qk_norm.md has the
+// sweep.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------

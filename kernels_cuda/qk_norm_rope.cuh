@@ -867,8 +867,8 @@ constexpr int kNumWeights = 2;  // q's and k's
 // v8, before the wait: the call's tables brought into L2 (warm_l2 in include/common.cuh says why
 // this cannot make a later read stale), each line by one lane group of the call: the weights by
 // block 0's first two groups, a token's position and cos/sin run by the group of its first head.
-// (Every group warming its own row's tables queued thousands of prefetches of the same lines at
-// their L2 slices: docs/qk_norm_rope.md.) The cos/sin run is aimed by a speculative read of the
+// (Every group warming its own row's tables sent thousands of prefetches of the same lines, most
+// likely queued at their L2 slices: docs/qk_norm_rope.md.) The cos/sin run is aimed by a speculative read of the
 // position: from L2 only (__ldcg leaves no L1 line that a read after the wait could hit),
 // possibly stale, used for nothing but the prefetch addresses and kept inside the cache;
 // load_row reads the position again after the wait.
