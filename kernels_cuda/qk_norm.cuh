@@ -370,7 +370,9 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
       const int weight_bytes = p.weight_is_fp32 ? static_cast<int>(sizeof(float)) : static_cast<int>(sizeof(T));
 #pragma unroll
       for (int i = 0; i < Tr::kVecsPerThread; ++i) {
-        if (lane_has_vector<Tr>(lane, i)) warm_l2(static_cast<const char*>(w) + lane_column<Tr>(lane, i, 0) * weight_bytes);
+        if (lane_has_vector<Tr>(lane, i)) {
+          warm_l2(static_cast<const char*>(w) + lane_column<Tr>(lane, i, 0) * weight_bytes);
+        }
       }
     }
     after_prior_grids();
@@ -440,8 +442,9 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // v9's kernel requests the weight right after the row, so both round trips overlap, yet the
 // one-token probe (tools/qk_norm_decode_probe.py, H200) timed the same traffic and arithmetic
 // without weights at 0.92 us against 1.17: the weight's reads, every lane group of the call
-// asking for the same two 256-byte lines at once, apparently come back after the row's. A programmatic
-// launch spends the previous kernel's last microseconds parked at griddepcontrol.wait; v12's
+// asking for the same two 256-byte lines at once, apparently come back after the row's. A
+// programmatic launch spends the previous kernel's last microseconds parked at
+// griddepcontrol.wait; v12's
 // kernel (kWarmWeights) has block 0 issue prefetch.global.L2 for both weights first, so they are
 // L2 hits by the time any block reads them. Block 0 is in the first wave at every size, so the
 // kernel is the same at every size; past the first wave it changes nothing.

@@ -868,10 +868,10 @@ constexpr int kNumWeights = 2;  // q's and k's
 // this cannot make a later read stale), each line by one lane group of the call: the weights by
 // block 0's first two groups, a token's position and cos/sin run by the group of its first head.
 // (Every group warming its own row's tables sent thousands of prefetches of the same lines, most
-// likely queued at their L2 slices: docs/qk_norm_rope.md.) The cos/sin run is aimed by a speculative read of the
-// position: from L2 only (__ldcg leaves no L1 line that a read after the wait could hit),
-// possibly stale, used for nothing but the prefetch addresses and kept inside the cache;
-// load_row reads the position again after the wait.
+// likely queued at their L2 slices: docs/qk_norm_rope.md.) The cos/sin run is aimed by a
+// speculative read of the position: from L2 only (__ldcg leaves no L1 line that a read after
+// the wait could hit), possibly stale, used for nothing but the prefetch addresses and kept
+// inside the cache; load_row reads the position again after the wait.
 template <typename T, int kHeadDim, typename WeightT, typename CacheT>
 __device__ __forceinline__ void warm_call_tables(const Params& p, bool active, uint32_t token, int head, int group,
                                                  const LaneUnits<V4Traits<T, kHeadDim>::kUnitsPerThread>& u) {
@@ -919,7 +919,8 @@ __device__ __forceinline__ void one_row(const Params& p, int64_t rows) {
   }
   const LoadedRow<T, kUnits> r = load_row<T, kUnits>(p, row < rows, token, head, u);
   if constexpr (kWarm) {  // idle groups too: whole shuffles
-    finish_row<T, kHeadDim, kHfRounding, kNeox>(p, r, u, load_row_tables<T, kHeadDim, kHfRounding, WeightT, CacheT>(p, r, u));
+    const TablesInRegisters<T, kHeadDim> tables = load_row_tables<T, kHeadDim, kHfRounding, WeightT, CacheT>(p, r, u);
+    finish_row<T, kHeadDim, kHfRounding, kNeox>(p, r, u, tables);
   } else {
     const TablesFromMemory<T, kHeadDim, kHfRounding, WeightT, CacheT> tables{p, r, u};
     finish_row<T, kHeadDim, kHfRounding, kNeox>(p, r, u, tables);
@@ -992,11 +993,11 @@ __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
 // (load_row_tables), and the critical path is x's own round trip. Prefill shapes run v7's walk
 // unchanged (most of their CTAs start after the previous kernel is done, with no time to
 // win). Probed on the H200 (bench harness, v7 against variants in one run, us at one token / 64
-// tokens), with every lane group warming its own row's tables: v7 1.50 / 2.05; tables read with
-// the row, nothing warmed, 1.42 / 2.03; warmed, tables read after the sum, 1.27 / 2.03; both
-// 1.22 / 2.00. At 64 tokens the call is mostly x's 1.3 MB going in and out (a copy_ of it takes
-// 2.06 us). Warming each line once per call instead (qk_norm v12 lost 2-3x from 64 tokens up
-// with a warm per lane group): docs/qk_norm_rope.md has the sweep.
+// tokens): v7 1.50 / 2.05; tables read with the row, nothing warmed, 1.42 / 2.03; every lane
+// group warming its own row's tables, read after the sum, 1.27 / 2.03, read with the row
+// 1.22 / 2.00; each line warmed by one lane group of the call and the tables read with the row
+// (v8) 1.25 / 1.78 against v7's 1.54 / 2.03 (qk_norm v12 lost 2-3x from 64 tokens up with a warm
+// per lane group). docs/qk_norm_rope.md has the sweep.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
@@ -1118,7 +1119,7 @@ inline void launch_vector_path(const Params& p, int64_t rows, int version, cudaS
   launch_v7<T, kHeadDim, kHfRounding>(p, rows, version, stream);
 }
 
-// v3 to v7: the vector path where head_dim is specialized and the data aligned, else v2's
+// v3 to v8: the vector path where head_dim is specialized and the data aligned, else v2's
 // general path (any even head_dim / rope_dim, any alignment).
 template <typename T, bool kHfRounding>
 inline void launch_vector_or_general(const Params& p, int64_t rows, int version, cudaStream_t stream) {
