@@ -16,6 +16,7 @@
 // v6: v5 as a programmatic dependent launch (as qk_norm v6): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 // v7: v6 with, at batches whose rows fill every SM, four-warp CTAs holding up to eight vectors per thread (v3's rule, the fewest vectors per thread in CTAs of up to 512 threads, kept for smaller batches) - removes v6's 64 KiB in flight per SM at wide rows (four 512-thread CTAs of 16-32 bytes per thread) where the register file holds twice that
 // v8: v7 with, at narrow rows (up to 256 vectors, 2048 bf16 elements) and many tokens, one warp per token: q's row then k's, four tokens per CTA, no block barrier - removes v7's two small CTAs per token there (tensor-parallel shards, small models), whose dispatch, not their bytes, set the time
+// v9: v8 with, where q and k are views of one tensor of token rows (a fused qkv projection), the CTAs of a token's q row and k row launched next to each other instead of all q rows before all k rows - removes v8's sparse streams over the fused rows: the rows in flight together now lie side by side in memory (at q 8192, k 8192 and v 8192 bf16, 32 KiB of every 48 KiB instead of 16)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -211,11 +212,14 @@ __device__ __forceinline__ void store_row_vectors(const Row<T>& r, int first, in
 
 // kStreaming (v5): x is read and written by streaming global accesses (load_vec_streaming).
 // kProgrammatic (v6): launched programmatically, so nothing is read before after_prior_grids.
-template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false>
+// kTokenMajor (v9): grid.x walks (token, tensor) pairs, CTA 2t + tensor normalizing token t's row.
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false,
+          bool kTokenMajor = false>
 __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Params p) {
   static_assert(kVecsPerThread >= 1 && kVecsPerThread <= kV3MaxVecsPerThread, "a thread holds 1..8 vectors");
   if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
-  const Row<T> r = locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
+  const Row<T> r = kTokenMajor ? locate_row<T>(p, blockIdx.x / kNumTensors, static_cast<int>(blockIdx.x % kNumTensors))
+                               : locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
   Vec<T> x[kVecsPerThread];  // kept packed across the block reduction: half the registers of float32
   const float sum_sq = load_row_vectors<T, kVecsPerThread, kStreaming>(r, threadIdx.x, blockDim.x, x);
   const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
@@ -362,6 +366,20 @@ __global__ void __launch_bounds__(kV8Threads) cross_head_norm_v8_kernel(Params p
 }
 
 // ------------------------------------------------------------------------------------------
+// v9: v8 with, where q and k are views of one tensor of token rows (a fused qkv projection), the CTAs of a token's q row and k row launched next to each other instead of all q rows before all k rows - removes v8's sparse streams over the fused rows: the rows in flight together now lie side by side in memory (at q 8192, k 8192 and v 8192 bf16, 32 KiB of every 48 KiB instead of 16)
+// v7's kernels (and v8's warp-per-token kernel, which already takes q's row and then k's), with
+// v3's kernel launched on a 1-D grid of (token, tensor) pairs (kTokenMajor) where q and k share
+// a token stride wider than either row: views of one tensor of token rows, whose q and k rows
+// of a token lie within one stride. The block scheduler hands out CTAs in grid order, so the
+// order of the grid is the order in which the rows stream through DRAM. On the (tokens, 2) grid
+// of v2-v8, every q row comes before every k row: at q, k, v 8192 wide the CTAs in flight read
+// 16 KiB of every 48 KiB, and at q 6144, k 1024, v 1024 the k half of the call reads 2 KiB of
+// every 16. With a token's two CTAs adjacent, the rows in flight cover 32 KiB of every 48, and 14
+// of every 16. Separate, packed q and k stay on the (tokens, 2) grid: there each tensor's rows
+// already follow each other, and pairing them measured slower at 8192 x 8192 (93.6 against 95.6
+// % of the copy). Measured on the H200 with the bench harness: docs/cross_head_norm.md.
+// ------------------------------------------------------------------------------------------
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 inline dim3 token_tensor_grid(const Params& p) {
@@ -385,11 +403,13 @@ inline int v3_threads(int widest_vecs, int vecs_per_thread) {
   return (threads_needed + kWarpSize - 1) / kWarpSize * kWarpSize;
 }
 
-template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming, bool kProgrammatic>
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming, bool kProgrammatic,
+          bool kTokenMajor = false>
 inline void launch_v3_fixed(const Params& p, int widest_vecs, cudaStream_t stream) {
-  constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic>;
-  launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(v3_threads(widest_vecs, kVecsPerThread)), 0, stream,
-                p);
+  constexpr auto kernel =
+      cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic, kTokenMajor>;
+  const dim3 grid = kTokenMajor ? dim3(static_cast<unsigned>(p.num_tokens * kNumTensors)) : token_tensor_grid(p);
+  launch_kernel(kProgrammatic, kernel, grid, dim3(v3_threads(widest_vecs, kVecsPerThread)), 0, stream, p);
 }
 
 // The 16-byte path needs every row and both weights to start on 16-byte boundaries.
@@ -403,19 +423,21 @@ inline bool vector_aligned(const Params& p) {
 
 // For v7: launches v3's kernel at kVecsPerThread vectors per thread if the call's rows fill every
 // SM's resident CTAs of it at least once; returns whether it did.
-template <typename T, int kVecsPerThread, bool kHfRounding>
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kTokenMajor = false>
 inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStream_t stream) {
-  constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true>;
+  constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true, kTokenMajor>;
   if (p.num_tokens * kNumTensors < persistent_grid_limit<kernel>(v3_threads(widest_vecs, kVecsPerThread))) return false;
-  launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true>(p, widest_vecs, stream);
+  launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, kTokenMajor>(p, widest_vecs, stream);
   return true;
 }
 
 // The fewest vectors per thread that fit the wider row in one CTA of at most kV3MaxThreads
 // threads; rows wider than kV3MaxVecsPerThread vectors per thread stream through v2.
 // kFillGpu (v7): first, where the rows fill the GPU, the vectors per thread that fit the wider
-// row in kV7Threads threads (at most kV3MaxVecsPerThread).
-template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false>
+// row in kV7Threads threads (at most kV3MaxVecsPerThread). kTokenMajor (v9): the (token, tensor)
+// grid.
+template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
+          bool kTokenMajor = false>
 inline void launch_v3(const Params& p, cudaStream_t stream) {
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   if (vector_aligned<T>(p)) {
@@ -424,16 +446,16 @@ inline void launch_v3(const Params& p, cudaStream_t stream) {
       static_assert(kStreaming && kProgrammatic, "v7 builds on v6");
       const int vecs = (widest_vecs + kV7Threads - 1) / kV7Threads;  // per thread, at kV7Threads threads
       const bool fits = widest <= V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden;  // else v2, below
-      if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding>(p, widest_vecs, stream)) return;
-      if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding>(p, widest_vecs, stream)) return;
-      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding>(p, widest_vecs, stream)) {
+      if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding, kTokenMajor>(p, widest_vecs, stream)) return;
+      if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding, kTokenMajor>(p, widest_vecs, stream)) return;
+      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding, kTokenMajor>(p, widest_vecs, stream)) {
         return;
       }
     }
-    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v3_fixed<T, 8, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding, kStreaming, kProgrammatic, kTokenMajor>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding, kStreaming, kProgrammatic, kTokenMajor>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding, kStreaming, kProgrammatic, kTokenMajor>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v3_fixed<T, 8, kHfRounding, kStreaming, kProgrammatic, kTokenMajor>(p, widest_vecs, stream);
   }
   launch_v2<T, kHfRounding>(p, stream);  // general path: any even width, any alignment
 }
@@ -468,26 +490,28 @@ inline size_t v4_shared_bytes(const Params& p) {
 // registers (up to kV3MaxVecsPerThread vectors per thread) where v4 stops at two vectors.
 // kProgrammatic: v6, v5's kernels launched programmatically.
 // kFillGpu: v7, v6 with v3's vectors per thread picked for the row count.
-template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false>
+// kTokenMajor: v9, v3's kernel on the (token, tensor) grid.
+template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
+          bool kTokenMajor = false>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
   constexpr int kWidestForV3 = kStreaming ? V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden : V3Traits<T, 2>::kMaxHidden;
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   const size_t shared_bytes = widest > kWidestForV3 ? v4_shared_bytes<T, kHfRounding, kStreaming, kProgrammatic>(p) : 0;
-  if (shared_bytes == 0) return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu>(p, stream);
+  if (shared_bytes == 0) return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu, kTokenMajor>(p, stream);
   constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding, kStreaming, kProgrammatic>;
   launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(kV4Threads), shared_bytes, stream, p);
 }
 
 // v8's dispatch: rows of at most kV8MaxVecs vectors (16-byte aligned) at batches of at least
 // kV8TokensPerVector tokens per vector of a token (q's and k's) run the warp-per-token kernel at
-// the fewest vectors per lane that hold the wider row; the rest run v7.
-template <typename T, bool kHfRounding>
+// the fewest vectors per lane that hold the wider row; the rest run v7 (kTokenMajor: v9's grid).
+template <typename T, bool kHfRounding, bool kTokenMajor = false>
 inline void launch_v8(const Params& p, cudaStream_t stream) {
   const int q_vecs = p.q_hidden / Vec<T>::kElems, k_vecs = p.k_hidden / Vec<T>::kElems;
   const int widest_vecs = q_vecs > k_vecs ? q_vecs : k_vecs;
   const bool warp_per_token = vector_aligned<T>(p) && widest_vecs <= kV8MaxVecs &&
                               p.num_tokens >= kV8TokensPerVector * static_cast<int64_t>(q_vecs + k_vecs);
-  if (!warp_per_token) return launch_v4<T, kHfRounding, true, true, true>(p, stream);  // v7
+  if (!warp_per_token) return launch_v4<T, kHfRounding, true, true, true, kTokenMajor>(p, stream);  // v7
   const dim3 grid(static_cast<unsigned>((p.num_tokens + kV8Warps - 1) / kV8Warps));
   const int vecs_per_lane = (widest_vecs + kWarpSize - 1) / kWarpSize;
   auto go = [&](auto kernel) { launch_kernel(true, kernel, grid, dim3(kV8Threads), 0, stream, p); };
@@ -495,6 +519,21 @@ inline void launch_v8(const Params& p, cudaStream_t stream) {
   if (vecs_per_lane == 2) return go(cross_head_norm_v8_kernel<T, 2, kHfRounding>);
   if (vecs_per_lane <= 4) return go(cross_head_norm_v8_kernel<T, 4, kHfRounding>);
   return go(cross_head_norm_v8_kernel<T, kV8MaxVecsPerLane, kHfRounding>);
+}
+
+// v9's dispatch: v8, with v3's kernel on the (token, tensor) grid where q and k share a token
+// stride wider than either row (views of one tensor of token rows) and the grid has room for it.
+inline bool rows_share_token_stride(const Params& p) {
+  return p.q_token_stride == p.k_token_stride && (p.q_token_stride > p.q_hidden || p.k_token_stride > p.k_hidden);
+}
+
+template <typename T, bool kHfRounding>
+inline void launch_v9(const Params& p, cudaStream_t stream) {
+  constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1 CTAs along grid.x
+  if (rows_share_token_stride(p) && p.num_tokens * kNumTensors <= kMaxGridX) {
+    return launch_v8<T, kHfRounding, true>(p, stream);
+  }
+  launch_v8<T, kHfRounding>(p, stream);
 }
 
 template <typename T, bool kHfRounding>
@@ -507,7 +546,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 5: return launch_v4<T, kHfRounding, true>(p, stream);
     case 6: return launch_v4<T, kHfRounding, true, true>(p, stream);
     case 7: return launch_v4<T, kHfRounding, true, true, true>(p, stream);
-    default: return launch_v8<T, kHfRounding>(p, stream);
+    case 8: return launch_v8<T, kHfRounding>(p, stream);
+    default: return launch_v9<T, kHfRounding>(p, stream);
   }
 }
 
@@ -520,7 +560,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 8;
+constexpr int kNumVersions = 9;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

@@ -15,7 +15,7 @@ import torch
 import cookbook
 from cookbook import registry
 from cookbook.ops import cross_head_norm as contract
-from helpers import ON_GPU, clone_inputs, kernel_impls, require, run_and_compare
+from helpers import ON_GPU, clone_inputs, kernel_impls, launched_kernels, require, run_and_compare
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 OP = "cross_head_norm"
@@ -64,6 +64,32 @@ def test_narrow_rows_at_many_tokens(impl, shape, dtype, rounding):
     inputs = contract.make_inputs(*shape, dtype, "cuda", seed=shape[0], fused_qkv=True, kind="zero_rows",
                                   weight_dtype=torch.float32 if rounding == "fused" else None)
     run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=0.5, rounding=rounding)
+
+
+# v9 launches v3's kernel on a (token, tensor) grid where q and k share a token stride wider than
+# either row (views of one fused tensor), and on v2-v8's (tokens, 2) grid otherwise. Odd token
+# counts on both sides of v7's fill threshold, unequal widths, both layouts, zero rows at eps=0.
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("shape", [(2049, 8192, 1024), (4097, 6144, 1024), (77, 4096, 512)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fused_qkv", [True, False], ids=["fused_qkv", "separate"])
+def test_token_major_grid(impl, shape, fused_qkv):
+    require(impl)
+    inputs = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=shape[0], fused_qkv=fused_qkv, kind="zero_rows")
+    run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=0.5, rounding="hf")
+
+
+@pytest.mark.parametrize("fused_qkv", [True, False], ids=["fused_qkv", "separate"])
+def test_v9_dispatch(fused_qkv):
+    """v9's grid is token-major (the kernel's last template argument) exactly for the fused views."""
+    from cookbook import cuda
+
+    cuda.load(OP)
+    x = contract.make_inputs(2048, 8192, 8192, torch.bfloat16, "cuda", seed=1, fused_qkv=fused_qkv)
+    names = launched_kernels(lambda: cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0,
+                                                          "fused", version=9))
+    v3 = [n for n in names if "cross_head_norm_v3_kernel" in n]
+    assert len(v3) == 1, names
+    assert v3[0].split(">(")[0].endswith("true, true, true") == fused_qkv, v3
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
