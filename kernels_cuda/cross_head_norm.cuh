@@ -16,7 +16,7 @@
 // v6: v5 as a programmatic dependent launch (as qk_norm v6): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 // v7: v6 with, at batches whose rows fill every SM, four-warp CTAs holding up to eight vectors per thread (v3's rule, the fewest vectors per thread in CTAs of up to 512 threads, kept for smaller batches) - removes v6's 64 KiB in flight per SM at wide rows (four 512-thread CTAs of 16-32 bytes per thread) where the register file holds twice that
 // v8: v7 with, at narrow rows (up to 256 vectors, 2048 bf16 elements) and many tokens, one warp per token: q's row then k's, four tokens per CTA, no block barrier - removes v7's two small CTAs per token there (tensor-parallel shards, small models), whose dispatch, not their bytes, set the time
-// v9: v8 with, where q and k are views of one tensor of token rows (a fused qkv projection), the CTAs of a token's q row and k row launched next to each other instead of all q rows before all k rows - removes v8's sparse streams over the fused rows: the rows in flight together now lie side by side in memory (at q 8192, k 8192 and v 8192 bf16, 32 KiB of every 48 KiB instead of 16)
+// v9: v8 with, where q and k are views of one tensor of token rows (a fused qkv projection) and the rows fill the GPU at least three times, the CTAs of a token's q row and k row launched next to each other instead of all q rows before all k rows - removes v8's sparse streams over the fused rows: the rows in flight together now lie side by side in memory (at q, k and v 8192 bf16 wide, 32 KiB of every 48 KiB instead of 16)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -366,19 +366,27 @@ __global__ void __launch_bounds__(kV8Threads) cross_head_norm_v8_kernel(Params p
 }
 
 // ------------------------------------------------------------------------------------------
-// v9: v8 with, where q and k are views of one tensor of token rows (a fused qkv projection), the CTAs of a token's q row and k row launched next to each other instead of all q rows before all k rows - removes v8's sparse streams over the fused rows: the rows in flight together now lie side by side in memory (at q 8192, k 8192 and v 8192 bf16, 32 KiB of every 48 KiB instead of 16)
-// v7's kernels (and v8's warp-per-token kernel, which already takes q's row and then k's), with
-// v3's kernel launched on a 1-D grid of (token, tensor) pairs (kTokenMajor) where q and k share
-// a token stride wider than either row: views of one tensor of token rows, whose q and k rows
-// of a token lie within one stride. The block scheduler hands out CTAs in grid order, so the
-// order of the grid is the order in which the rows stream through DRAM. On the (tokens, 2) grid
-// of v2-v8, every q row comes before every k row: at q, k, v 8192 wide the CTAs in flight read
-// 16 KiB of every 48 KiB, and at q 6144, k 1024, v 1024 the k half of the call reads 2 KiB of
-// every 16. With a token's two CTAs adjacent, the rows in flight cover 32 KiB of every 48, and 14
-// of every 16. Separate, packed q and k stay on the (tokens, 2) grid: there each tensor's rows
-// already follow each other, and pairing them measured slower at 8192 x 8192 (93.6 against 95.6
-// % of the copy). Measured on the H200 with the bench harness: docs/cross_head_norm.md.
+// v9: v8 with, where q and k are views of one tensor of token rows (a fused qkv projection) and the rows fill the GPU at least three times, the CTAs of a token's q row and k row launched next to each other instead of all q rows before all k rows - removes v8's sparse streams over the fused rows: the rows in flight together now lie side by side in memory (at q, k and v 8192 bf16 wide, 32 KiB of every 48 KiB instead of 16)
+// v7's kernels (v8's warp-per-token kernel already takes q's row and then k's), with v3's kernel
+// launched on a 1-D grid of (token, tensor) pairs (kTokenMajor) where q and k share a token
+// stride wider than either row: views of one tensor of token rows, whose q and k rows of a token
+// lie within one stride. The block scheduler hands out CTAs in grid order, so the grid's order
+// is the order in which the rows stream through DRAM. On the (tokens, 2) grid of v2-v8 every q
+// row comes before every k row: at q, k, v 8192 wide the CTAs in flight read 16 KiB of every
+// 48 KiB, and at q 6144, k 1024, v 1024 the k half of the call reads 2 KiB of every 16. With a
+// token's two CTAs adjacent, the rows in flight cover 32 KiB of every 48, and 14 of every 16.
+// Only where the call is kV9MinWaves waves or more of resident CTAs: in a call of one or two
+// waves with unequal widths, the (tokens, 2) grid starts every long q CTA first and the short k
+// CTAs fill the tail, while the paired grid leaves q CTAs to start late (1024 x 5120/1024, 1.9
+// waves: 8.91 -> 9.19 us; kV9MinWaves lies between that and the 3.9 waves of 2048 x 8192,
+// which gained). Separate, packed q and k stay on the (tokens, 2) grid: each tensor's rows
+// already follow each other there, and pairing them measured slower at 8192 x 8192 (93.6
+// against 95.6 % of the copy). Measured on the H200 with the bench harness:
+// docs/cross_head_norm.md.
 // ------------------------------------------------------------------------------------------
+constexpr int kV9MinWaves = 3;
+static_assert(kV9MinWaves >= 1, "v9: at least the one wave that v7 requires");
+
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
@@ -423,19 +431,27 @@ inline bool vector_aligned(const Params& p) {
 
 // For v7: launches v3's kernel at kVecsPerThread vectors per thread if the call's rows fill every
 // SM's resident CTAs of it at least once; returns whether it did.
+// kTokenMajor (v9): on the (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kTokenMajor = false>
 inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStream_t stream) {
-  constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true, kTokenMajor>;
-  if (p.num_tokens * kNumTensors < persistent_grid_limit<kernel>(v3_threads(widest_vecs, kVecsPerThread))) return false;
-  launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, kTokenMajor>(p, widest_vecs, stream);
+  constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true>;
+  constexpr auto token_major_kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true, true>;
+  const int threads = v3_threads(widest_vecs, kVecsPerThread);
+  const int64_t rows = p.num_tokens * kNumTensors;
+  if (rows < persistent_grid_limit<kernel>(threads)) return false;
+  if (kTokenMajor && rows >= kV9MinWaves * static_cast<int64_t>(persistent_grid_limit<token_major_kernel>(threads))) {
+    launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, true>(p, widest_vecs, stream);
+  } else {
+    launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true>(p, widest_vecs, stream);
+  }
   return true;
 }
 
 // The fewest vectors per thread that fit the wider row in one CTA of at most kV3MaxThreads
 // threads; rows wider than kV3MaxVecsPerThread vectors per thread stream through v2.
 // kFillGpu (v7): first, where the rows fill the GPU, the vectors per thread that fit the wider
-// row in kV7Threads threads (at most kV3MaxVecsPerThread). kTokenMajor (v9): the (token, tensor)
-// grid.
+// row in kV7Threads threads (at most kV3MaxVecsPerThread). kTokenMajor (v9): those on the
+// (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
           bool kTokenMajor = false>
 inline void launch_v3(const Params& p, cudaStream_t stream) {
@@ -452,10 +468,10 @@ inline void launch_v3(const Params& p, cudaStream_t stream) {
         return;
       }
     }
-    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding, kStreaming, kProgrammatic, kTokenMajor>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding, kStreaming, kProgrammatic, kTokenMajor>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding, kStreaming, kProgrammatic, kTokenMajor>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v3_fixed<T, 8, kHfRounding, kStreaming, kProgrammatic, kTokenMajor>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v3_fixed<T, 8, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
   }
   launch_v2<T, kHfRounding>(p, stream);  // general path: any even width, any alignment
 }
@@ -490,7 +506,7 @@ inline size_t v4_shared_bytes(const Params& p) {
 // registers (up to kV3MaxVecsPerThread vectors per thread) where v4 stops at two vectors.
 // kProgrammatic: v6, v5's kernels launched programmatically.
 // kFillGpu: v7, v6 with v3's vectors per thread picked for the row count.
-// kTokenMajor: v9, v3's kernel on the (token, tensor) grid.
+// kTokenMajor: v9, v7's kernels on the (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
           bool kTokenMajor = false>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
@@ -521,8 +537,9 @@ inline void launch_v8(const Params& p, cudaStream_t stream) {
   return go(cross_head_norm_v8_kernel<T, kV8MaxVecsPerLane, kHfRounding>);
 }
 
-// v9's dispatch: v8, with v3's kernel on the (token, tensor) grid where q and k share a token
-// stride wider than either row (views of one tensor of token rows) and the grid has room for it.
+// v9's dispatch: v8, with v7's kernels on the (token, tensor) grid where q and k share a token
+// stride wider than either row (views of one tensor of token rows), the rows fill the GPU
+// kV9MinWaves times (launch_v7_if_rows_fill_gpu) and grid.x has room for every row.
 inline bool rows_share_token_stride(const Params& p) {
   return p.q_token_stride == p.k_token_stride && (p.q_token_stride > p.q_hidden || p.k_token_stride > p.k_hidden);
 }

@@ -66,9 +66,11 @@ def test_narrow_rows_at_many_tokens(impl, shape, dtype, rounding):
     run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=0.5, rounding=rounding)
 
 
-# v9 launches v3's kernel on a (token, tensor) grid where q and k share a token stride wider than
-# either row (views of one fused tensor), and on v2-v8's (tokens, 2) grid otherwise. Odd token
-# counts on both sides of v7's fill threshold, unequal widths, both layouts, zero rows at eps=0.
+# v9 launches v7's kernels on a (token, tensor) grid where q and k share a token stride wider than
+# either row (views of one fused tensor) and the rows fill the GPU at least kV9MinWaves (3) times,
+# and on v2-v8's (tokens, 2) grid otherwise. 2049 x 8192/1024 and 4097 x 6144/1024 are 3.9 and 7.8
+# waves of v7's 8-vector CTAs on a 132-SM H100/H200, 77 tokens less than one; odd token counts,
+# unequal widths, both layouts, zero rows at eps=0.
 @pytest.mark.parametrize("impl", kernel_impls(OP))
 @pytest.mark.parametrize("shape", [(2049, 8192, 1024), (4097, 6144, 1024), (77, 4096, 512)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("fused_qkv", [True, False], ids=["fused_qkv", "separate"])
@@ -78,18 +80,21 @@ def test_token_major_grid(impl, shape, fused_qkv):
     run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=0.5, rounding="hf")
 
 
-@pytest.mark.parametrize("fused_qkv", [True, False], ids=["fused_qkv", "separate"])
-def test_v9_dispatch(fused_qkv):
-    """v9's grid is token-major (the kernel's last template argument) exactly for the fused views."""
+@pytest.mark.parametrize("shape, fused_qkv, token_major", [((2048, 8192, 8192), True, True),
+                                                     ((2048, 8192, 8192), False, False),
+                                                     ((1024, 5120, 1024), True, False)])  # 1.9 waves
+def test_v9_dispatch(shape, fused_qkv, token_major):
+    """v9's grid is token-major (the kernel's last template argument) exactly for fused views of
+    calls of three waves or more."""
     from cookbook import cuda
 
     cuda.load(OP)
-    x = contract.make_inputs(2048, 8192, 8192, torch.bfloat16, "cuda", seed=1, fused_qkv=fused_qkv)
+    x = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=1, fused_qkv=fused_qkv)
     names = launched_kernels(lambda: cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0,
                                                           "fused", version=9))
     v3 = [n for n in names if "cross_head_norm_v3_kernel" in n]
     assert len(v3) == 1, names
-    assert v3[0].split(">(")[0].endswith("true, true, true") == fused_qkv, v3
+    assert v3[0].split(">(")[0].endswith("true, true, true") == token_major, v3
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
