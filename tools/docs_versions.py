@@ -53,7 +53,8 @@ NAMED_KERNELS = {
 # with the weights warmed, named); cross_head_norm v5 is v4's dispatch with streaming kernels
 # (v4's bulk-copy kernel named), v6 the same launched programmatically, v7 v6 with v3's kernel at
 # up to eight vectors per thread where the rows fill the GPU (the eight-vector kernel named; v8's
-# warp-per-token kernels come out of the pattern as one cell, per vectors per lane);
+# warp-per-token kernels come out of the pattern as one cell, per vectors per lane), v9 the same
+# kernel on its (token, tensor) grid (named);
 # qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named; v7's walk, v8's warmed
 # one-row kernel).
 KERNEL_INSTANCES = {
@@ -68,7 +69,8 @@ KERNEL_INSTANCES = {
                 12: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true>"},
     "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, false>",
                         6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>",
-                        7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true>"},
+                        7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, false>",
+                        9: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true>"},
     "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false, 0>",
                      6: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 0>",
                      7: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 1>",
@@ -281,7 +283,8 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
               f"{SM90_MAX_WARPS}, from registers, threads and shared memory per CTA as CUDA's occupancy calculator counts them. "
               "v6 launches v5's kernels; v7's rows are its pick where the call's rows fill the GPU, below that it launches v6's; "
               "v8's are its warp-per-token kernel at rows of up to 2048 bf16 elements and at least 18 tokens per 16-byte vector "
-              "of a token, below that it launches v7's.)"]
+              "of a token, below that it launches v7's. v9 launches v8's kernels, v3's on a (token, tensor) grid where q and k "
+              "are views of one tensor: the same resources.)"]
     return "\n".join(lines)
 
 
