@@ -16,7 +16,6 @@
 // v4: the decode kernel advances the epoch as soon as every CTA has read it (an atomic beside the wait) instead of after every CTA has finished - removes v3's end-of-kernel atomic round trip
 // v5: v4 launched as a programmatic dependent launch: its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes, and it lets the next launch do the same - removes the launch gap between back-to-back kernels from each call
 // v6: v5 with each lane's loads of a row issued as one batch before any is used (phase 1's shard packs, phase 4's weights) - removes v5's serial round trips: its loads were generic, so the compiler kept each one behind the previous store into the shared tile (one DRAM latency per pack)
-// v7: v6 with, where a call's tiles fill the GPU at least twice, a persistent grid whose CTAs hold two tiles: the next tile is requested by cp.async and its sums pushed before the CTA waits for this tile's peer sums - removes v6's idle SMs during the exchange: a v6 CTA holds its staged tile while the sums cross NVLink, and when every CTA of an SM waits, nothing loads
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -116,8 +115,6 @@ struct FusedParams {
   int chunk_index;            // 0: the call's first launch (the one that checks the headers)
   int tokens_per_cta;
   int slices_per_row;         // v3: warps that share a row (1 in v2)
-  FastDivisor q_packs;        // v7: a tile's q row and k row in 16-byte packs (the launcher sets them)
-  FastDivisor k_packs;
   uint32_t* counters;         // [kEpochCounter, kDoneCounter], this GPU
   volatile int64_t* status;   // pinned host memory
 };
@@ -625,237 +622,6 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
 // a lane sums is unchanged, so v6 gives v5's bits. Both kernels (decode and prefill) get it.
 // ------------------------------------------------------------------------------------------
 
-
-// ------------------------------------------------------------------------------------------
-// v7: v6 with, where a call's tiles fill the GPU at least twice, a persistent grid whose CTAs hold two tiles: the next tile is requested by cp.async and its sums pushed before the CTA waits for this tile's peer sums - removes v6's idle SMs during the exchange: a v6 CTA holds its staged tile while the sums cross NVLink, and when every CTA of an SM waits, nothing loads
-// What v6's prefill kernel does with its time, per CTA: load and stage a tile, push its sums, wait
-// for the peers' sums, write. While a CTA waits, its tile sits in shared memory and its warps
-// issue nothing; four CTAs fit on an SM (63 registers), and when all four wait at once the SM
-// loads nothing for as long as the sums take to cross NVLink. The TP=2 sweep puts that cost at
-// 1.3-1.7x the same shard's local cross_head_norm time at 8192-16384 tokens.
-//
-// v7's prefill kernel is persistent (a grid of resident CTAs, each walking tiles b, b + grid,
-// ...) and keeps two tiles of shared memory per CTA. The walk, for a CTA's tiles t0, t1, ...:
-//
-//   request t0 (cp.async), wait for it, sum and push its rows; check the headers
-//   for each tile t_i:  request t_(i+1) into the other stage, wait for it, sum and push its rows
-//                       wait for t_i's peer sums (they crossed NVLink while t_(i+1) loaded)
-//                       normalize t_i from its stage and write it
-//
-// so the exchange of a tile overlaps the load of the next one and the write of the one before,
-// and the wait finds the sums already there unless the peers run behind. Every rank's CTA b walks
-// the same tiles in the same order, so the ranks stay in step tile by tile. cp.async moves the
-// bytes into the stage without holding them in registers, so the tile's loads are all in flight
-// at once; the row sums then read the stage (warp per row, a lane's packs in v6's order, so v7
-// gives v6's bits), and the write spreads the tile's packs over all 256 threads (v6 gave a row
-// to a warp, and at 3 tokens per tile 2 of 8 warps had none). Each tile's pushes, waits and tags
-// are v2's; the header check runs once, before the CTA's first wait.
-//
-// Deadlock: a CTA's pushes never wait for anything, and a rank's CTAs take their tiles in
-// increasing order, so the lowest tile not yet written has both ranks' owners at it (their
-// earlier tiles are written), pushed, and waiting only for each other. The grid is at most the
-// resident CTAs and the launch is programmatic as in v5 (the next launch takes no SM a CTA of
-// this one still needs).
-//
-// Where it runs: packed rows whose two tiles fit kTileBytes (the default dynamic shared memory)
-// and calls of at least kMinPipelineTrips tiles per resident CTA; elsewhere v6's kernels.
-// ------------------------------------------------------------------------------------------
-constexpr int kPipelineStages = 2;  // the tile a v7 CTA writes and the one it loads
-constexpr int kPipelineTileBytes = kTileBytes / kPipelineStages;
-constexpr int kMinPipelineTrips = 2;  // fewer tiles per CTA: v6's one-tile CTAs
-constexpr int kWriteUnroll = 2;  // packs per thread whose weights v7 loads before using any
-constexpr int kPipelineCtasPerSm = 4;  // the register budget (64 per thread); the stages allow 4 too
-static_assert(kPipelineCtasPerSm * kTileBytes <= 227 * 1024, "four CTAs' stages fit an SM's shared memory");
-static_assert(kPipelineTileBytes % kVecBytes == 0, "a stage starts 16-byte aligned");
-static_assert(kMaxRowsPerCta <= kFusedThreads, "one thread per row computes the row's rstd");
-
-// cp.async (sm_80+): 16 bytes global -> shared through L2 only (.cg), held in no register; a
-// thread's copies complete, for that thread, at copy_async_wait_all.
-__device__ __forceinline__ void copy_async_16(void* dst_shared, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst_shared))),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// One v7 tile: `tokens` tokens from `first_token`; its 2 * tokens rows laid end to end in packs
-// (q rows, then k rows), in shared memory as in v2's tile.
-struct PipelineTile {
-  int64_t first_token;
-  int tokens;
-  int q_packs, k_packs;  // per row
-  __device__ __forceinline__ int q_total() const { return tokens * q_packs; }
-  __device__ __forceinline__ int total() const { return tokens * (q_packs + k_packs); }
-};
-
-template <typename T>
-__device__ __forceinline__ PipelineTile pipeline_tile(const FusedParams& p, int64_t tile) {
-  const int64_t first_token = tile * p.tokens_per_cta;
-  const int64_t left = p.shard.num_tokens - first_token;
-  const int tokens = left < p.tokens_per_cta ? static_cast<int>(left) : p.tokens_per_cta;
-  return {first_token, tokens, p.shard.q_hidden / Vec<T>::kElems, p.shard.k_hidden / Vec<T>::kElems};
-}
-
-// Pack c of a tile: its row of the tile, its column (in packs), and the global row it belongs to.
-template <typename T>
-struct TilePack {
-  int row;
-  int col;
-  Row<T> at;
-};
-
-template <typename T>
-__device__ __forceinline__ TilePack<T> tile_pack(const FusedParams& p, const PipelineTile& tile, int c) {
-  const bool is_q = c < tile.q_total();
-  const int in_tensor = is_q ? c : c - tile.q_total();
-  const int i = static_cast<int>(is_q ? p.q_packs.divide(in_tensor) : p.k_packs.divide(in_tensor));
-  const int col = in_tensor - i * (is_q ? tile.q_packs : tile.k_packs);
-  return {is_q ? i : tile.tokens + i, col, locate_row<T>(p.shard, tile.first_token + i, is_q ? kQ : kK)};
-}
-
-// Every thread requests its packs of the tile into `stage` (one commit group).
-template <typename T>
-__device__ __forceinline__ void request_tile(const FusedParams& p, const PipelineTile& tile, Vec<T>* stage) {
-  for (int c = threadIdx.x; c < tile.total(); c += kFusedThreads) {
-    const TilePack<T> at = tile_pack<T>(p, tile, c);
-    copy_async_16(stage + c, at.at.x + at.col * Vec<T>::kElems);
-  }
-  copy_async_commit();
-}
-
-// Once the stage is complete: a warp per row sums the row's squares (a lane's packs in
-// ascending order, as v6) and lane s pushes the partial to rank s.
-template <typename T>
-__device__ __forceinline__ void sum_and_push(const FusedParams& p, const PipelineTile& tile, const Vec<T>* stage,
-                                             uint32_t epoch, int parity) {
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  for (int row = warp; row < kNumTensors * tile.tokens; row += kFusedWarps) {
-    const TileRow<T> t = tile_row<T>(p, tile.first_token, tile.tokens, row);
-    const Vec<T>* x = stage + t.tile_offset / Vec<T>::kElems;
-    float sum_sq = 0.f;
-    for (int c = lane; c < t.row.hidden / Vec<T>::kElems; c += kWarpSize) {
-      float xf[Vec<T>::kElems];
-      unpack<T>(x[c], xf);
-#pragma unroll
-      for (int j = 0; j < Vec<T>::kElems; ++j) sum_sq += xf[j] * xf[j];
-    }
-    sum_sq = warp_sum(sum_sq);
-    if (lane < p.world) {
-      store_word(sum_slot(p, p.buffers[lane], parity, t.token, t.tensor, p.rank), tagged(epoch, __float_as_uint(sum_sq)));
-    }
-  }
-}
-
-// Thread (row, source) waits for that source's partial; then a thread per row adds them in rank
-// order (the same float on every rank) into the row's rstd.
-template <typename T>
-__device__ __forceinline__ void wait_for_rstd(const FusedParams& p, const PipelineTile& tile, uint32_t epoch, int parity,
-                                              float (&partials)[kMaxRowsPerCta][kMaxRanks],
-                                              float (&row_rstd)[kMaxRowsPerCta]) {
-  const int rows = kNumTensors * tile.tokens;
-  if (threadIdx.x < rows * p.world) {
-    const int row = threadIdx.x / p.world, source = threadIdx.x % p.world;
-    const TileRow<T> t = tile_row<T>(p, tile.first_token, tile.tokens, row);
-    const uint64_t* slot = sum_slot(p, p.buffers[p.rank], parity, t.token, t.tensor, source);
-    partials[row][source] = __uint_as_float(payload_of(wait_for_epoch(slot, epoch)));
-  }
-  __syncthreads();
-  if (threadIdx.x < rows) {
-    float total = 0.f;
-    for (int source = 0; source < p.world; ++source) total += partials[threadIdx.x][source];
-    row_rstd[threadIdx.x] = rstd_from(total, threadIdx.x < tile.tokens ? p.q_full_width : p.k_full_width, p.shard.eps);
-  }
-  __syncthreads();
-}
-
-// The tile's packs spread over all threads: a batch of kLoadUnroll packs' weights is loaded
-// (as v6) before the first is used; x comes from the stage.
-template <typename T, bool kHfRounding>
-__device__ __forceinline__ void write_tile(const FusedParams& p, const PipelineTile& tile, const Vec<T>* stage,
-                                           const float (&row_rstd)[kMaxRowsPerCta]) {
-  constexpr int kElems = Vec<T>::kElems;
-  for (int base = threadIdx.x; base < tile.total(); base += kWriteUnroll * kFusedThreads) {
-    T* dst[kWriteUnroll];
-    int row[kWriteUnroll];
-    RawWeights<T> raw[kWriteUnroll];
-#pragma unroll
-    for (int b = 0; b < kWriteUnroll; ++b) {
-      const int c = base + b * kFusedThreads;
-      if (c < tile.total()) {
-        const TilePack<T> at = tile_pack<T>(p, tile, c);
-        dst[b] = at.at.x + at.col * kElems;
-        row[b] = at.row;
-        raw[b] = load_raw_weights<T>(at.at, at.col * kElems);
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < kWriteUnroll; ++b) {
-      const int c = base + b * kFusedThreads;
-      if (c < tile.total()) {
-        const bool w_is_fp32 = row[b] < tile.tokens ? p.shard.q_weight_is_fp32 : p.shard.k_weight_is_fp32;
-        float w[kElems], xf[kElems];
-        effective_weights<T, kHfRounding>(raw[b], w_is_fp32, p.shard.weight_offset, w);
-        unpack<T>(stage[c], xf);
-        const float rstd = row_rstd[row[b]];
-        Vec<T> y;
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) y.v[j] = normalize<T, kHfRounding>(xf[j], rstd, w[j]);
-        store_vec<T>(dst[b], y);
-      }
-    }
-  }
-}
-
-template <typename T, bool kHfRounding>
-__global__ void __launch_bounds__(kFusedThreads, kPipelineCtasPerSm) pipelined_kernel(FusedParams p) {
-  extern __shared__ __align__(kVecBytes) unsigned char tile_bytes[];
-  __shared__ float partials[kMaxRowsPerCta][kMaxRanks];
-  __shared__ float row_rstd[kMaxRowsPerCta];
-  __shared__ int ranks_agree;
-
-  after_prior_grids();
-  const uint32_t epoch = read_epoch(p);
-  if (chunk_abandoned(p, epoch)) return;
-  const int parity = static_cast<int>(epoch % kParities);
-  const int64_t tiles = (p.shard.num_tokens + p.tokens_per_cta - 1) / p.tokens_per_cta;
-  const int stage_packs = p.tokens_per_cta * (p.shard.q_hidden + p.shard.k_hidden) / Vec<T>::kElems;
-  Vec<T>* const stages[kPipelineStages] = {reinterpret_cast<Vec<T>*>(tile_bytes),
-                                           reinterpret_cast<Vec<T>*>(tile_bytes) + stage_packs};
-
-  if (threadIdx.x == 0) ranks_agree = 1;
-  publish_header(p, epoch, parity);
-  int64_t index = blockIdx.x;  // the grid is at most `tiles` CTAs: every CTA has a first tile
-  PipelineTile tile = pipeline_tile<T>(p, index);
-  request_tile<T>(p, tile, stages[0]);
-  copy_async_wait_all();
-  __syncthreads();  // the stage is complete, ranks_agree initialized
-  sum_and_push<T>(p, tile, stages[0], epoch, parity);
-
-  // Every rank's header must match ours before anyone waits for sums that may never come.
-  if (threadIdx.x < p.world * kHeaderWords && !header_agrees(p, epoch, parity, threadIdx.x)) ranks_agree = 0;
-  __syncthreads();
-
-  for (int i = 0; ranks_agree != 0 && index < tiles; ++i, index += gridDim.x) {
-    const Vec<T>* const current = stages[i % kPipelineStages];
-    Vec<T>* const next_stage = stages[(i + 1) % kPipelineStages];  // free: its tile was written last trip
-    const int64_t next_index = index + gridDim.x;
-    if (next_index < tiles) {
-      const PipelineTile next = pipeline_tile<T>(p, next_index);
-      request_tile<T>(p, next, next_stage);
-      copy_async_wait_all();
-      __syncthreads();
-      sum_and_push<T>(p, next, next_stage, epoch, parity);
-    }
-    wait_for_rstd<T>(p, tile, epoch, parity, partials, row_rstd);
-    write_tile<T, kHfRounding>(p, tile, current, row_rstd);
-    __syncthreads();  // the stage, partials and row_rstd are free again
-    if (next_index < tiles) tile = pipeline_tile<T>(p, next_index);
-  }
-
-  end_launch(p, epoch, parity);
-}
-
 // ------------------------------------------------------------------------------------------
 // Launchers (host).
 // ------------------------------------------------------------------------------------------
@@ -916,45 +682,6 @@ inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
   }
 }
 
-// CTAs of v7's kernel an SM holds with `shared_bytes` of tile (the occupancy query is not free
-// on a hot path: the last answer per device is kept).
-template <auto kKernel>
-inline int pipelined_ctas_per_sm(size_t shared_bytes) {
-  static size_t cached_bytes[kMaxDevices] = {};
-  static int cached_ctas[kMaxDevices] = {};
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device < kMaxDevices && cached_bytes[device] == shared_bytes && cached_ctas[device] > 0) return cached_ctas[device];
-  int ctas = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kKernel, kFusedThreads, shared_bytes);
-  if (device < kMaxDevices) {
-    cached_bytes[device] = shared_bytes;
-    cached_ctas[device] = ctas;
-  }
-  return ctas;
-}
-
-// v7's pipelined kernel for one chunk of packed rows, where it applies: both stages fit
-// kTileBytes and the chunk has at least kMinPipelineTrips tiles per resident CTA. Returns false
-// (nothing launched) elsewhere.
-template <typename T, bool kHfRounding>
-inline bool launch_pipelined(FusedParams p, cudaStream_t stream) {
-  constexpr auto kernel = pipelined_kernel<T, kHfRounding>;
-  const int row_pair_bytes = (p.shard.q_hidden + p.shard.k_hidden) * static_cast<int>(sizeof(T));
-  const int fit = kPipelineTileBytes / row_pair_bytes;
-  if (fit < 1 || !programmatic_launch_supported()) return false;
-  p.tokens_per_cta = fit < kMaxTokensPerCta ? fit : kMaxTokensPerCta;
-  p.slices_per_row = 1;
-  const size_t shared_bytes = static_cast<size_t>(kPipelineStages) * p.tokens_per_cta * row_pair_bytes;
-  const int64_t resident = static_cast<int64_t>(sm_count()) * pipelined_ctas_per_sm<kernel>(shared_bytes);
-  const int64_t tiles = (p.shard.num_tokens + p.tokens_per_cta - 1) / p.tokens_per_cta;
-  if (resident < 1 || tiles < kMinPipelineTrips * resident) return false;
-  p.q_packs = FastDivisor(static_cast<uint32_t>(p.shard.q_hidden / Vec<T>::kElems));
-  p.k_packs = FastDivisor(static_cast<uint32_t>(p.shard.k_hidden / Vec<T>::kElems));
-  launch_kernel(true, kernel, dim3(static_cast<unsigned>(resident)), dim3(kFusedThreads), shared_bytes, stream, p);
-  return true;
-}
-
 // One launch per chunk of at most `capacity` tokens (each chunk is one epoch of the protocol).
 template <int kVersion, typename T, bool kHfRounding>
 inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
@@ -968,9 +695,7 @@ inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
     chunk.shard.q = static_cast<T*>(call.shard.q) + first * call.shard.q_token_stride;
     chunk.shard.k = static_cast<T*>(call.shard.k) + first * call.shard.k_token_stride;
     chunk.chunk_index = chunk_index++;
-    if (kVersion >= 7 && packed && launch_pipelined<T, kHfRounding>(chunk, stream)) {
-      // v7's pipeline took the chunk
-    } else if (packed) {
+    if (packed) {
       launch_fused_packs<kVersion, T, Vec<T>::kElems, kHfRounding>(chunk, stream);
     } else {
       launch_fused_packs<kVersion, T, 1, kHfRounding>(chunk, stream);  // any alignment: one element at a time
@@ -1006,7 +731,7 @@ inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cu
   });
 }
 
-constexpr int kNumVersions = 7;
+constexpr int kNumVersions = 6;
 
 // The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
 inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
@@ -1021,10 +746,8 @@ inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, in
       hf_rounding ? launch_fused<4, T, true>(p, stream) : launch_fused<4, T, false>(p, stream);
     } else if (version == 5) {
       hf_rounding ? launch_fused<5, T, true>(p, stream) : launch_fused<5, T, false>(p, stream);
-    } else if (version == 6) {
-      hf_rounding ? launch_fused<6, T, true>(p, stream) : launch_fused<6, T, false>(p, stream);
     } else {
-      hf_rounding ? launch_fused<7, T, true>(p, stream) : launch_fused<7, T, false>(p, stream);
+      hf_rounding ? launch_fused<6, T, true>(p, stream) : launch_fused<6, T, false>(p, stream);
     }
   });
 }
