@@ -16,7 +16,6 @@
 // v4: the decode kernel advances the epoch as soon as every CTA has read it (an atomic beside the wait) instead of after every CTA has finished - removes v3's end-of-kernel atomic round trip
 // v5: v4 launched as a programmatic dependent launch: its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes, and it lets the next launch do the same - removes the launch gap between back-to-back kernels from each call
 // v6: v5 with each lane's loads of a row issued as one batch before any is used (phase 1's shard packs, phase 4's weights) - removes v5's serial round trips: its loads were generic, so the compiler kept each one behind the previous store into the shared tile (one DRAM latency per pack)
-// v7: v6 with, where a call's tokens fill every SM's resident CTAs, a CTA per token holding the token's q and k shard rows in registers (16-byte streaming loads and stores, the sums pushed and waited for as in v4) - removes v6's shared-memory tile at prefill: a warp per row staged through shared memory, which kept v6 at about 1.5x its local shard even with the waits removed
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -623,151 +622,6 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
 // a lane sums is unchanged, so v6 gives v5's bits. Both kernels (decode and prefill) get it.
 // ------------------------------------------------------------------------------------------
 
-
-// ------------------------------------------------------------------------------------------
-// v7: v6 with, where a call's tokens fill every SM's resident CTAs, a CTA per token holding the token's q and k shard rows in registers (16-byte streaming loads and stores, the sums pushed and waited for as in v4) - removes v6's shared-memory tile at prefill: a warp per row staged through shared memory, which kept v6 at about 1.5x its local shard even with the waits removed
-// Measured on two H200s (docs/tp_qk_norm.md, "Where the prefill time goes"): at 16384 tokens of
-// the MiniMax shard v6 took 87-89 us against the local shard's 60 (cross_head_norm v9), and as
-// long with its waits for the peers' sums removed; hiding the exchange behind the next tile's
-// load did not help either. So the cost was v6's own memory path: each q row was read by one warp
-// in batches of 4 packs per lane into the shared-memory tile, summed, and written back from there,
-// 2 of 8 warps idle at 6 tokens per CTA. cross_head_norm holds a row in registers instead.
-//
-// v7's prefill kernel: one CTA per token, the token's q shard row and k shard row laid end to
-// end as 16-byte vectors, vector c in thread c % threads (kVecsPerThread of them, all loaded at
-// once with streaming loads); a block sum gives the q and k partials; then v4's phase: threads
-// (tensor, rank r) push the partial to rank r and wait for rank r's, the top threads check the
-// headers, and one more thread counts the CTA in to advance the epoch (v4); finally every thread
-// normalizes its vectors (weights loaded in batches, as v6) and stores them streaming. The block
-// is sized from the row pair like cross_head_norm v3's (the fewest vectors per thread at most
-// kResidentMaxThreads threads). Smaller calls (fewer tokens than resident CTAs) keep v6's
-// kernels, whose tiles of several tokens spread a decode call's few rows over the SMs.
-// Deadlock: as v2 (CTA t waits only for the peers' CTA t, and a rank's CTAs start in order).
-// ------------------------------------------------------------------------------------------
-constexpr int kResidentMaxThreads = 128;
-constexpr int kResidentMaxVecsPerThread = 8;
-constexpr int kResidentWeightUnroll = 2;  // vectors whose weights are loaded before any is used
-constexpr int kResidentMinThreads = 64;  // the pushing, header and epoch threads below are disjoint
-static_assert(kNumTensors * kMaxRanks + kMaxRanks * kHeaderWords + 1 <= kResidentMinThreads,
-              "v7: (tensor, rank) threads, header threads and the epoch thread fit the smallest block");
-static_assert(kResidentMinThreads % kWarpSize == 0 && kResidentMaxThreads % kWarpSize == 0, "whole warps");
-
-// CTAs of kResidentMaxThreads threads per SM that the register budget aims at: 8 up to 4 vectors
-// per thread (64 registers; 8 KiB of x per CTA, 64 KiB per SM), 4 at 8 vectors. The Hugging Face
-// order's extra roundings need a few more registers in fp16: 7 there (72 registers, no spills).
-constexpr int resident_min_ctas_per_sm(int vecs_per_thread, bool hf_rounding) {
-  return vecs_per_thread <= 4 ? (hf_rounding ? 7 : 8) : 4;
-}
-
-template <typename T, int kVecsPerThread, bool kHfRounding>
-__global__ void __launch_bounds__(kResidentMaxThreads, resident_min_ctas_per_sm(kVecsPerThread, kHfRounding))
-    resident_rows_kernel(FusedParams p) {
-  constexpr int kElems = Vec<T>::kElems;
-  __shared__ float partials[kNumTensors][kMaxRanks];
-  __shared__ int ranks_agree;
-
-  after_prior_grids();
-  const uint32_t epoch = read_epoch(p);
-  if (chunk_abandoned(p, epoch)) return;
-  const bool near_wrap = epoch >= kLastEpoch - 1;
-  const int parity = static_cast<int>(epoch % kParities);
-  const int64_t token = blockIdx.x;
-  const int q_vecs = p.shard.q_hidden / kElems;
-  const int vecs = q_vecs + p.shard.k_hidden / kElems;
-  const Row<T> q_row = locate_row<T>(p.shard, token, kQ), k_row = locate_row<T>(p.shard, token, kK);
-  // Vector c of the row pair: its row and its column (in elements). Selects, not an indexed array,
-  // so that nothing goes to local memory.
-  const auto row_of = [&](int c) { return c < q_vecs ? q_row : k_row; };
-  const auto col_of = [&](int c) { return (c < q_vecs ? c : c - q_vecs) * kElems; };
-
-  if (threadIdx.x == 0) ranks_agree = 1;  // ordered before its readers by block_sum's barriers
-  publish_header(p, epoch, parity);
-
-  // Phase 1: every vector of the thread requested at once, then the squares summed per tensor.
-  Vec<T> x[kVecsPerThread];
-#pragma unroll
-  for (int j = 0; j < kVecsPerThread; ++j) {
-    const int c = threadIdx.x + j * blockDim.x;
-    if (c < vecs) x[j] = load_vec_streaming<T>(row_of(c).x + col_of(c));
-  }
-  float sums[kNumTensors] = {0.f, 0.f};
-#pragma unroll
-  for (int j = 0; j < kVecsPerThread; ++j) {
-    const int c = threadIdx.x + j * blockDim.x;
-    if (c < vecs) {
-      float xf[kElems];
-      unpack<T>(x[j], xf);
-      float sum_sq = 0.f;
-#pragma unroll
-      for (int e = 0; e < kElems; ++e) sum_sq += xf[e] * xf[e];
-      if (c < q_vecs) {
-        sums[kQ] += sum_sq;
-      } else {
-        sums[kK] += sum_sq;
-      }
-    }
-  }
-  block_sum<kNumTensors>(sums);
-
-  // Phase 2+3 (v4's): thread (tensor, rank r) pushes this rank's partial to rank r and waits for
-  // rank r's; the top threads check the headers meanwhile; one more counts the CTA in.
-  const int header_thread = threadIdx.x - (blockDim.x - p.world * kHeaderWords);
-  const int epoch_thread = blockDim.x - 1 - p.world * kHeaderWords;
-  if (threadIdx.x < kNumTensors * p.world) {
-    const int tensor = threadIdx.x / p.world, r = threadIdx.x % p.world;
-    store_word(sum_slot(p, p.buffers[r], parity, token, tensor, p.rank), tagged(epoch, __float_as_uint(tensor == kQ ? sums[kQ] : sums[kK])));
-    uint64_t word;
-    if (wait_for_epoch_unless(sum_slot(p, p.buffers[p.rank], parity, token, tensor, r), epoch, &ranks_agree, word)) {
-      partials[tensor][r] = __uint_as_float(payload_of(word));
-    }
-  } else if (header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread)) {
-    ranks_agree = 0;
-  } else if (!near_wrap && threadIdx.x == epoch_thread) {
-    if (atomicAdd(p.counters + kDoneCounter, 1u) == gridDim.x - 1) {  // every CTA has read the epoch
-      p.counters[kDoneCounter] = 0;
-      p.counters[kEpochCounter] = next_epoch(epoch);
-    }
-  }
-  __syncthreads();
-
-  if (ranks_agree != 0) {
-    float totals[kNumTensors] = {0.f, 0.f};
-    for (int r = 0; r < p.world; ++r) {  // rank order: the same floats on every rank
-      totals[kQ] += partials[kQ][r];
-      totals[kK] += partials[kK][r];
-    }
-    const float q_rstd = rstd_from(totals[kQ], p.q_full_width, p.shard.eps);
-    const float k_rstd = rstd_from(totals[kK], p.k_full_width, p.shard.eps);
-    // Phase 4: a batch of kResidentWeightUnroll vectors' weights requested before the first is
-    // converted (2, not v6's 4: the row's vectors already hold the registers).
-#pragma unroll
-    for (int base = 0; base < kVecsPerThread; base += kResidentWeightUnroll) {
-      RawWeights<T> raw[kResidentWeightUnroll];
-#pragma unroll
-      for (int b = 0; b < kResidentWeightUnroll && base + b < kVecsPerThread; ++b) {
-        const int c = threadIdx.x + (base + b) * blockDim.x;
-        if (c < vecs) raw[b] = load_raw_weights<T>(row_of(c), col_of(c));
-      }
-#pragma unroll
-      for (int b = 0; b < kResidentWeightUnroll && base + b < kVecsPerThread; ++b) {
-        const int c = threadIdx.x + (base + b) * blockDim.x;
-        if (c < vecs) {
-          const Row<T> row = row_of(c);
-          const float rstd = c < q_vecs ? q_rstd : k_rstd;
-          float w[kElems], xf[kElems];
-          effective_weights<T, kHfRounding>(raw[b], row.w_is_fp32, p.shard.weight_offset, w);
-          unpack<T>(x[base + b], xf);
-          Vec<T> y;
-#pragma unroll
-          for (int e = 0; e < kElems; ++e) y.v[e] = normalize<T, kHfRounding>(xf[e], rstd, w[e]);
-          store_vec_streaming<T>(row.x + col_of(c), y);
-        }
-      }
-    }
-  }
-  if (near_wrap) end_launch(p, epoch, parity);
-}
-
 // ------------------------------------------------------------------------------------------
 // Launchers (host).
 // ------------------------------------------------------------------------------------------
@@ -828,36 +682,6 @@ inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
   }
 }
 
-// v7's kernel at kVecsPerThread vectors per thread, if the chunk has at least one token per
-// resident CTA of it; returns whether it launched.
-template <typename T, int kVecsPerThread, bool kHfRounding>
-inline bool launch_resident_rows_fixed(FusedParams p, int vecs, cudaStream_t stream) {
-  constexpr auto kernel = resident_rows_kernel<T, kVecsPerThread, kHfRounding>;
-  const int needed = (vecs + kVecsPerThread - 1) / kVecsPerThread;
-  const int warps = (needed + kWarpSize - 1) / kWarpSize;
-  const int threads = warps * kWarpSize < kResidentMinThreads ? kResidentMinThreads : warps * kWarpSize;
-  if (p.shard.num_tokens < persistent_grid_limit<kernel>(threads)) return false;
-  p.tokens_per_cta = 1;
-  p.slices_per_row = 1;
-  launch_kernel(true, kernel, dim3(static_cast<unsigned>(p.shard.num_tokens)), dim3(threads), 0, stream, p);
-  return true;
-}
-
-// v7's prefill path for a chunk of 16-byte aligned rows: the fewest vectors per thread that fit
-// the row pair in kResidentMaxThreads threads (as cross_head_norm v3 sizes its block); false where
-// the row pair is too wide or the chunk too small (v6 runs).
-template <typename T, bool kHfRounding>
-inline bool launch_resident_rows(const FusedParams& p, cudaStream_t stream) {
-  const int vecs = (p.shard.q_hidden + p.shard.k_hidden) / Vec<T>::kElems;
-  static_assert(kResidentMaxVecsPerThread == 8, "the cases below");
-  if (!programmatic_launch_supported()) return false;
-  if (vecs <= kResidentMaxThreads) return launch_resident_rows_fixed<T, 1, kHfRounding>(p, vecs, stream);
-  if (vecs <= 2 * kResidentMaxThreads) return launch_resident_rows_fixed<T, 2, kHfRounding>(p, vecs, stream);
-  if (vecs <= 4 * kResidentMaxThreads) return launch_resident_rows_fixed<T, 4, kHfRounding>(p, vecs, stream);
-  if (vecs <= 8 * kResidentMaxThreads) return launch_resident_rows_fixed<T, 8, kHfRounding>(p, vecs, stream);
-  return false;
-}
-
 // One launch per chunk of at most `capacity` tokens (each chunk is one epoch of the protocol).
 template <int kVersion, typename T, bool kHfRounding>
 inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
@@ -871,9 +695,7 @@ inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
     chunk.shard.q = static_cast<T*>(call.shard.q) + first * call.shard.q_token_stride;
     chunk.shard.k = static_cast<T*>(call.shard.k) + first * call.shard.k_token_stride;
     chunk.chunk_index = chunk_index++;
-    if (kVersion >= 7 && packed && launch_resident_rows<T, kHfRounding>(chunk, stream)) {
-      // v7's kernel took the chunk
-    } else if (packed) {
+    if (packed) {
       launch_fused_packs<kVersion, T, Vec<T>::kElems, kHfRounding>(chunk, stream);
     } else {
       launch_fused_packs<kVersion, T, 1, kHfRounding>(chunk, stream);  // any alignment: one element at a time
@@ -909,7 +731,7 @@ inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cu
   });
 }
 
-constexpr int kNumVersions = 7;
+constexpr int kNumVersions = 6;
 
 // The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
 inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
@@ -924,10 +746,8 @@ inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, in
       hf_rounding ? launch_fused<4, T, true>(p, stream) : launch_fused<4, T, false>(p, stream);
     } else if (version == 5) {
       hf_rounding ? launch_fused<5, T, true>(p, stream) : launch_fused<5, T, false>(p, stream);
-    } else if (version == 6) {
-      hf_rounding ? launch_fused<6, T, true>(p, stream) : launch_fused<6, T, false>(p, stream);
     } else {
-      hf_rounding ? launch_fused<7, T, true>(p, stream) : launch_fused<7, T, false>(p, stream);
+      hf_rounding ? launch_fused<6, T, true>(p, stream) : launch_fused<6, T, false>(p, stream);
     }
   });
 }
