@@ -69,8 +69,8 @@ def test_narrow_rows_at_many_tokens(impl, shape, dtype, rounding):
 # v9 launches v7's kernels on a (token, tensor) grid where q and k share a token stride wider than
 # either row (views of one fused tensor) and the rows fill the GPU at least kV9MinWaves (3) times,
 # and on v2-v8's (tokens, 2) grid otherwise. 2049 x 8192/1024 and 4097 x 6144/1024 are 3.9 and 7.8
-# waves of v7's 8-vector CTAs on a 132-SM H100/H200, 77 tokens less than one; odd token counts,
-# unequal widths, both layouts, zero rows at eps=0.
+# waves of v7's 8-vector CTAs on a 132-SM H100/H200, 77 x 4096/512 less than one; odd token
+# counts, unequal widths, both layouts, zero rows at eps=0.
 @pytest.mark.parametrize("impl", kernel_impls(OP))
 @pytest.mark.parametrize("shape", [(2049, 8192, 1024), (4097, 6144, 1024), (77, 4096, 512)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("fused_qkv", [True, False], ids=["fused_qkv", "separate"])
