@@ -149,6 +149,7 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _cuda("tp_qk_norm", 4, "the decode kernel advances the epoch as soon as every CTA has read it (an atomic beside the wait) instead of after every CTA has finished - removes v3's end-of-kernel atomic round trip"),
         _cuda("tp_qk_norm", 5, "v4 launched as a programmatic dependent launch: its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes, and it lets the next launch do the same - removes the launch gap between back-to-back kernels from each call"),
         _cuda("tp_qk_norm", 6, "v5 with each lane's loads of a row issued as one batch before any is used (phase 1's shard packs, phase 4's weights) - removes v5's serial round trips: its loads were generic, so the compiler kept each one behind the previous store into the shared tile (one DRAM latency per pack)"),
+        _cuda("tp_qk_norm", 7, "v6 with, at prefill sizes, a persistent walk in which a CTA sums a token's rows and pushes the partials, then finishes that token two steps later: its peers' sums have arrived by then, and its rows are read again from L2 - removes v6's shared-memory tile and its wait per tile, and holds no row through an NVLink round trip (as registers did in a reverted one-CTA-per-token kernel)"),
         Impl("tp_qk_norm", "all_gather", "peer", 0, "cookbook.peers:tp_qk_norm_all_gather",
              "the naive baseline: all-gather the shards, normalize the gathered rows, keep this rank's columns"),
     ],

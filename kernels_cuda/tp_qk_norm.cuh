@@ -16,6 +16,7 @@
 // v4: the decode kernel advances the epoch as soon as every CTA has read it (an atomic beside the wait) instead of after every CTA has finished - removes v3's end-of-kernel atomic round trip
 // v5: v4 launched as a programmatic dependent launch: its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes, and it lets the next launch do the same - removes the launch gap between back-to-back kernels from each call
 // v6: v5 with each lane's loads of a row issued as one batch before any is used (phase 1's shard packs, phase 4's weights) - removes v5's serial round trips: its loads were generic, so the compiler kept each one behind the previous store into the shared tile (one DRAM latency per pack)
+// v7: v6 with, at prefill sizes, a persistent walk in which a CTA sums a token's rows and pushes the partials, then finishes that token two steps later: its peers' sums have arrived by then, and its rows are read again from L2 - removes v6's shared-memory tile and its wait per tile, and holds no row through an NVLink round trip (as registers did in a reverted one-CTA-per-token kernel)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -623,6 +624,211 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
 // ------------------------------------------------------------------------------------------
 
 // ------------------------------------------------------------------------------------------
+// v7: v6 with, at prefill sizes, a persistent walk in which a CTA sums a token's rows and pushes the partials, then finishes that token two steps later: its peers' sums have arrived by then, and its rows are read again from L2 - removes v6's shared-memory tile and its wait per tile, and holds no row through an NVLink round trip (as registers did in a reverted one-CTA-per-token kernel)
+// Measured on two H200s (docs/tp_qk_norm.md, "Where the prefill time goes"): at 16384 tokens of
+// the MiniMax shard v6 took 87-89 us against the local shard's 60 (cross_head_norm v9), and as
+// long with its waits removed, so v6's cost is its memory path (a warp per row, through a
+// shared-memory tile), not the exchange. Holding a token's rows in registers instead (one CTA per
+// token, reverted) made 16384 tokens slower, 130 us: each CTA kept its rows through the NVLink
+// round trip of its sums, so only 56 KiB per SM was in flight. Here nothing waits holding a row:
+//
+//   step s of CTA b (tokens b, b + G, b + 2G, ... of a grid of G resident CTAs):
+//     1. request token b + sG's q and k shard rows (16-byte loads that stay in L2);
+//     2. finish token b + (s - kLag)G: request its rows again - from L2, where step s - kLag left
+//        them - then wait for the peers' sums (pushed kLag steps ago, so normally already here),
+//        then normalize and store the rows;
+//     3. sum the squares of step 1's rows (in flight during step 2) and push the two partials to
+//        every rank.
+//
+// DRAM sees each byte read once and written once; the second read is an L2 hit as long as the
+// rows of kLag steps of the whole grid (kLag * G * row pair bytes: 13 MB at the MiniMax shard)
+// stay in L2 (60 MiB on the H200). The header check and the epoch count (v4's) run beside the
+// CTA's first wait. Deadlock: a CTA's token t waits only for token t's partials, which each rank
+// pushes after finishing only tokens below t; by induction on t every push comes, provided CTA b
+// of every rank is resident (the grid is at most the resident CTAs, and ranks run the same grid).
+// Smaller calls (fewer tokens than resident CTAs) keep v6's kernels.
+// Measured on two H200s (bench harness, us, v6 -> v7, local shard): 16384 tokens 88.6 -> 80.7
+// (59.6), 8192 52.3 -> 47.1 (31.1), 2048 18.6 -> 15.7 (9.9). Issuing step 2's second read after
+// the wait instead of before it gave 87.5 at 16384 tokens.
+// ------------------------------------------------------------------------------------------
+constexpr int kLaggedMaxThreads = 128;
+constexpr int kLaggedMinThreads = 64;
+constexpr int kLaggedMaxVecsPerThread = 8;
+constexpr int kLaggedWeightUnroll = 2;  // vectors whose weights are loaded before any is used
+// Steps between a token's push and its finish. Measured on two H200s at 16384 tokens of the
+// MiniMax shard (us, lag 1 / 2 / 3): 89.9 / 80.7 / 93.6. With one step the wait is exposed; why
+// three is slower again was not profiled (more rows held in L2 between their two reads is the
+// likely cost).
+constexpr int kLag = 2;
+static_assert(kLag >= 1, "a token is finished only after its partials were pushed");
+static_assert(kNumTensors * kMaxRanks + kMaxRanks * kHeaderWords + 1 <= kLaggedMinThreads,
+              "v7: the waiting threads, header threads and the epoch thread fit the smallest block");
+static_assert(kLaggedMinThreads % kWarpSize == 0 && kLaggedMaxThreads % kWarpSize == 0, "whole warps");
+
+// A token's q and k shard rows laid end to end as 16-byte vectors: vector c is q's vector c below
+// q_vecs, else k's vector c - q_vecs.
+template <typename T>
+struct RowPair {
+  Row<T> q, k;
+  int q_vecs, vecs;
+
+  // By value, as selects: a reference into the pair would put the pair in local memory.
+  __device__ __forceinline__ Row<T> row(int c) const { return c < q_vecs ? q : k; }
+  __device__ __forceinline__ int col(int c) const { return (c < q_vecs ? c : c - q_vecs) * Vec<T>::kElems; }
+};
+
+template <typename T>
+__device__ __forceinline__ RowPair<T> row_pair(const FusedParams& p, int64_t token) {
+  const int q_vecs = p.shard.q_hidden / Vec<T>::kElems;
+  return {locate_row<T>(p.shard, token, kQ), locate_row<T>(p.shard, token, kK), q_vecs,
+          q_vecs + p.shard.k_hidden / Vec<T>::kElems};
+}
+
+// CTAs of kLaggedMaxThreads threads per SM that the register budget aims at (ptxas, sm_90, no
+// spills): 8 (64 registers) up to 2 vectors per thread; 7 at 4 (72: a step holds two tokens'
+// vectors, 8 KiB of each per CTA, and at 64 it spilled), 5 in the Hugging Face order, whose extra
+// roundings in fp16 needed more than 80; 4 at 8 vectors.
+constexpr int lagged_min_ctas_per_sm(int vecs_per_thread, bool hf_rounding) {
+  return vecs_per_thread <= 2 ? 8 : vecs_per_thread <= 4 ? (hf_rounding ? 5 : 7) : 4;
+}
+
+template <typename T, int kVecsPerThread, bool kHfRounding>
+__global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVecsPerThread, kHfRounding))
+    lagged_rows_kernel(FusedParams p) {
+  constexpr int kElems = Vec<T>::kElems;
+  __shared__ float partials[kNumTensors][kMaxRanks];
+  __shared__ int ranks_agree;
+
+  after_prior_grids();
+  const uint32_t epoch = read_epoch(p);
+  if (chunk_abandoned(p, epoch)) return;
+  const bool near_wrap = epoch >= kLastEpoch - 1;
+  const int parity = static_cast<int>(epoch % kParities);
+  const int64_t tokens = p.shard.num_tokens;
+  const int64_t grid = gridDim.x;
+  const int waiting_threads = kNumTensors * p.world;  // thread (tensor, rank r) pushes to r, waits for r
+  const int header_thread = threadIdx.x - (blockDim.x - p.world * kHeaderWords);
+  const int epoch_thread = blockDim.x - 1 - p.world * kHeaderWords;
+
+  if (threadIdx.x == 0) ranks_agree = 1;
+  __syncthreads();
+  publish_header(p, epoch, parity);
+
+  bool first_finish = true;
+  for (int64_t step = 0;; ++step) {
+    const int64_t summed = blockIdx.x + step * grid;            // whose rows are requested and summed
+    const int64_t finished = blockIdx.x + (step - kLag) * grid;  // whose rows are normalized
+    if (finished >= tokens) break;  // every token of the CTA is finished (block-uniform)
+    const bool sum_now = summed < tokens;
+    const bool finish_now = step >= kLag;  // (a CTA with fewer tokens than kLag has steps that do neither)
+
+    // 1. Request the summed token's rows; nothing waits for them until 3.
+    Vec<T> x[kVecsPerThread];
+    RowPair<T> pair{};
+    if (sum_now) {
+      pair = row_pair<T>(p, summed);
+#pragma unroll
+      for (int j = 0; j < kVecsPerThread; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (c < pair.vecs) x[j] = load_vec_l2<T>(pair.row(c).x + pair.col(c));
+      }
+    }
+
+    // 2. Finish the token summed lag steps ago: its rows requested again (from L2, where step
+    //    s - lag left them) before the wait for its sums, so that the wait and both requests overlap.
+    if (finish_now) {
+      const RowPair<T> done = row_pair<T>(p, finished);
+      Vec<T> again[kVecsPerThread];
+#pragma unroll
+      for (int j = 0; j < kVecsPerThread; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (c < done.vecs) again[j] = load_vec_streaming<T>(done.row(c).x + done.col(c));  // the last read
+      }
+      if (threadIdx.x < waiting_threads) {
+        const int tensor = threadIdx.x / p.world, r = threadIdx.x % p.world;
+        uint64_t word;
+        if (wait_for_epoch_unless(sum_slot(p, p.buffers[p.rank], parity, finished, tensor, r), epoch, &ranks_agree,
+                                  word)) {
+          partials[tensor][r] = __uint_as_float(payload_of(word));
+        }
+      } else if (first_finish && header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread)) {
+        ranks_agree = 0;
+      } else if (first_finish && !near_wrap && threadIdx.x == epoch_thread) {
+        if (atomicAdd(p.counters + kDoneCounter, 1u) == gridDim.x - 1) {  // every CTA has read the epoch
+          p.counters[kDoneCounter] = 0;
+          p.counters[kEpochCounter] = next_epoch(epoch);
+        }
+      }
+      first_finish = false;
+      __syncthreads();
+      if (ranks_agree == 0) break;  // the same value in every thread: nothing is written
+      float totals[kNumTensors] = {0.f, 0.f};
+      for (int r = 0; r < p.world; ++r) {  // rank order: the same floats on every rank
+        totals[kQ] += partials[kQ][r];
+        totals[kK] += partials[kK][r];
+      }
+      const float q_rstd = rstd_from(totals[kQ], p.q_full_width, p.shard.eps);
+      const float k_rstd = rstd_from(totals[kK], p.k_full_width, p.shard.eps);
+#pragma unroll
+      for (int base = 0; base < kVecsPerThread; base += kLaggedWeightUnroll) {
+        RawWeights<T> raw[kLaggedWeightUnroll];  // L1 hits: every step of the CTA reads the same columns
+#pragma unroll
+        for (int b = 0; b < kLaggedWeightUnroll; ++b) {
+          const int c = threadIdx.x + (base + b) * blockDim.x;
+          if (base + b < kVecsPerThread && c < done.vecs) raw[b] = load_raw_weights<T>(done.row(c), done.col(c));
+        }
+#pragma unroll
+        for (int b = 0; b < kLaggedWeightUnroll; ++b) {
+          const int c = threadIdx.x + (base + b) * blockDim.x;
+          if (base + b < kVecsPerThread && c < done.vecs) {
+            const Row<T> row = done.row(c);
+            float w[kElems], xf[kElems];
+            effective_weights<T, kHfRounding>(raw[b], row.w_is_fp32, p.shard.weight_offset, w);
+            unpack<T>(again[base + b], xf);
+            Vec<T> y;
+#pragma unroll
+            for (int e = 0; e < kElems; ++e) {
+              y.v[e] = normalize<T, kHfRounding>(xf[e], c < done.q_vecs ? q_rstd : k_rstd, w[e]);
+            }
+            store_vec_streaming<T>(row.x + done.col(c), y);
+          }
+        }
+      }
+      if (!sum_now) __syncthreads();  // every thread has read partials before the next step rewrites them
+    }
+
+    // 3. Sum the requested rows and push the partials (block_sum's barriers also order 2's reads of
+    //    partials before the next step's waits rewrite them).
+    if (sum_now) {
+      float sums[kNumTensors] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < kVecsPerThread; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (c < pair.vecs) {
+          float xf[kElems];
+          unpack<T>(x[j], xf);
+          float sum_sq = 0.f;
+#pragma unroll
+          for (int e = 0; e < kElems; ++e) sum_sq += xf[e] * xf[e];
+          if (c < pair.q_vecs) {  // a select, not an index: the sums stay in registers
+            sums[kQ] += sum_sq;
+          } else {
+            sums[kK] += sum_sq;
+          }
+        }
+      }
+      block_sum<kNumTensors>(sums);
+      if (threadIdx.x < waiting_threads) {
+        const int tensor = threadIdx.x / p.world, r = threadIdx.x % p.world;
+        store_word(sum_slot(p, p.buffers[r], parity, summed, tensor, p.rank),
+                   tagged(epoch, __float_as_uint(tensor == kQ ? sums[kQ] : sums[kK])));
+      }
+    }
+  }
+  if (near_wrap) end_launch(p, epoch, parity);
+}
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host).
 // ------------------------------------------------------------------------------------------
 inline int sm_count() {
@@ -682,6 +888,36 @@ inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
   }
 }
 
+// v7's kernel at kVecsPerThread vectors per thread on a persistent grid of its resident CTAs, if
+// the chunk has at least a token for each; returns whether it launched.
+template <typename T, int kVecsPerThread, bool kHfRounding>
+inline bool launch_lagged_rows_fixed(FusedParams p, int vecs, cudaStream_t stream) {
+  constexpr auto kernel = lagged_rows_kernel<T, kVecsPerThread, kHfRounding>;
+  const int needed = (vecs + kVecsPerThread - 1) / kVecsPerThread;
+  const int warps = (needed + kWarpSize - 1) / kWarpSize;
+  const int threads = warps * kWarpSize < kLaggedMinThreads ? kLaggedMinThreads : warps * kWarpSize;
+  const int64_t resident = persistent_grid_limit<kernel>(threads);
+  if (p.shard.num_tokens < resident) return false;
+  p.tokens_per_cta = 1;
+  p.slices_per_row = 1;
+  launch_kernel(true, kernel, dim3(static_cast<unsigned>(resident)), dim3(threads), 0, stream, p);
+  return true;
+}
+
+// v7's prefill path for a chunk of 16-byte aligned rows: the fewest vectors per thread that fit
+// the row pair in kLaggedMaxThreads threads (as cross_head_norm v3 sizes its block); false where
+// the row pair is too wide or the chunk too small (v6 runs).
+template <typename T, bool kHfRounding>
+inline bool launch_lagged_rows(const FusedParams& p, cudaStream_t stream) {
+  const int vecs = (p.shard.q_hidden + p.shard.k_hidden) / Vec<T>::kElems;
+  static_assert(kLaggedMaxVecsPerThread == 8, "the cases below");
+  if (vecs <= kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 1, kHfRounding>(p, vecs, stream);
+  if (vecs <= 2 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 2, kHfRounding>(p, vecs, stream);
+  if (vecs <= 4 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 4, kHfRounding>(p, vecs, stream);
+  if (vecs <= 8 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 8, kHfRounding>(p, vecs, stream);
+  return false;
+}
+
 // One launch per chunk of at most `capacity` tokens (each chunk is one epoch of the protocol).
 template <int kVersion, typename T, bool kHfRounding>
 inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
@@ -695,7 +931,9 @@ inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
     chunk.shard.q = static_cast<T*>(call.shard.q) + first * call.shard.q_token_stride;
     chunk.shard.k = static_cast<T*>(call.shard.k) + first * call.shard.k_token_stride;
     chunk.chunk_index = chunk_index++;
-    if (packed) {
+    if (kVersion >= 7 && packed && launch_lagged_rows<T, kHfRounding>(chunk, stream)) {
+      // v7's kernel took the chunk
+    } else if (packed) {
       launch_fused_packs<kVersion, T, Vec<T>::kElems, kHfRounding>(chunk, stream);
     } else {
       launch_fused_packs<kVersion, T, 1, kHfRounding>(chunk, stream);  // any alignment: one element at a time
@@ -731,7 +969,7 @@ inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cu
   });
 }
 
-constexpr int kNumVersions = 6;
+constexpr int kNumVersions = 7;
 
 // The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
 inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
@@ -746,8 +984,10 @@ inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, in
       hf_rounding ? launch_fused<4, T, true>(p, stream) : launch_fused<4, T, false>(p, stream);
     } else if (version == 5) {
       hf_rounding ? launch_fused<5, T, true>(p, stream) : launch_fused<5, T, false>(p, stream);
-    } else {
+    } else if (version == 6) {
       hf_rounding ? launch_fused<6, T, true>(p, stream) : launch_fused<6, T, false>(p, stream);
+    } else {
+      hf_rounding ? launch_fused<7, T, true>(p, stream) : launch_fused<7, T, false>(p, stream);
     }
   });
 }

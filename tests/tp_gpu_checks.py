@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("COOKBOOK_TP_CAPACITY_TOKENS", "1024")  # before cookbook.tp_workspace is imported
+os.environ.setdefault("COOKBOOK_TP_CAPACITY_TOKENS", "8192")  # before cookbook.tp_workspace is imported
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -59,7 +59,9 @@ def run(fn, shard, **options):
 def check_agreement(rank, world, small):
     shapes = [(3, 64, 32), (0, 64, 32)] if small else [(1, 6144, 1024), (5, 64, 32), (129, 4096, 512), (0, 64, 32),
                                                      (300, 1040, 272), (200, 1040, 272), (2, 16384, 1024),
-                                                     (2, 32768, 1024)]  # 200: two tokens per CTA; 32768: unstaged in fp32
+                                                     (2, 32768, 1024), (4000, 6144, 1024), (9000, 512, 256)]
+    # 200: two tokens per CTA; 32768: unstaged in fp32; 4000 and 9000 (a chunk of 8192 and one of
+    # 808): cuda_v7's lagged kernel where a chunk has a token per resident CTA
     impls = registry.implementations(tp.OP)
     if small:
         impls = [registry.latest(tp.OP, "cuda")]
@@ -86,6 +88,48 @@ def check_agreement(rank, world, small):
     shard = dict(shard, q_shard=base[:, 1 : 1 + q_w], k_shard=base[:, 1 + q_w :])
     tp.tp_qk_norm(**shard, backend="cuda")
     check_shards("cuda unaligned", shard, full, rank, world)
+
+
+def kernels_run(fn):
+    """Names of the CUDA kernels `fn` launches (the profiler's view)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def check_v7_dispatch(rank, world):
+    """cuda_v7 runs its lagged persistent kernel on chunks with at least a token per resident CTA
+    (about 1056 at the MiniMax shard on a 132-SM GPU) and v6's kernels on smaller ones; calls of
+    both kinds back to back stay correct."""
+    v7 = next(i for i in registry.implementations(tp.OP) if i.name == "cuda_v7")
+    # 1500: some CTAs have one token, fewer than the lag (steps that neither sum nor finish)
+    for t, q_width, k_width, expect in ((4000, 6144, 1024, {True}), (512, 6144, 1024, {False}),
+                                        (1500, 6144, 1024, {True}), (9000, 512, 256, {True, False}),
+                                        (4000, 6144, 1024, {True})):
+        full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=40 + t)
+        shard = tp.shard_of(full, rank, world)
+        names = kernels_run(lambda: run(v7.fn, shard))
+        kinds = {"lagged_rows_kernel" in n for n in names if "tp_qk_norm" in n}
+        if kinds != expect:
+            failures.append(f"cuda_v7 T={t} {q_width}/{k_width}: kernels {sorted(names)}")
+        check_shards(f"cuda_v7 dispatch T={t} {q_width}/{k_width}", shard, full, rank, world)
+    # Two prefill calls captured in one CUDA graph, replayed twice.
+    fulls = [tp.make_full_inputs(t, 6144, 1024, torch.bfloat16, "cuda", seed=60 + t) for t in (4000, 4500)]
+    shards = [tp.shard_of(f, rank, world) for f in fulls]
+    originals = [{n: v.clone() for n, v in sh.items()} for sh in shards]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for sh in shards:
+            run(v7.fn, sh)
+    for replay in range(2):
+        for sh, o in zip(shards, originals):
+            for n in ("q_shard", "k_shard"):
+                sh[n].copy_(o[n])
+        graph.replay()
+        torch.cuda.synchronize()
+        for sh, f in zip(shards, fulls):
+            check_shards(f"cuda_v7 graph replay {replay} T={sh['q_shard'].shape[0]}", sh, f, rank, world)
 
 
 def check_reuse(rank, world, calls):
@@ -126,29 +170,36 @@ def check_graph(rank, world):
 
 
 def check_zero_rows(rank, world):
-    full = tp.make_full_inputs(64, 512, 128, torch.bfloat16, "cuda", seed=5, kind="zero_rows")
-    for impl in registry.implementations(tp.OP):
-        shard = tp.shard_of(full, rank, world)
-        run(impl.fn, shard, eps=0.0)
-        torch.cuda.synchronize()
-        check_shards(f"{impl.name} eps=0 zero rows", shard, full, rank, world, eps=0.0)
+    for t, q_width, k_width in ((64, 512, 128), (4000, 6144, 1024)):  # 4000: cuda_v7's prefill kernel
+        full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=5, kind="zero_rows")
+        for impl in registry.implementations(tp.OP):
+            shard = tp.shard_of(full, rank, world)
+            run(impl.fn, shard, eps=0.0)
+            torch.cuda.synchronize()
+            check_shards(f"{impl.name} T={t} eps=0 zero rows", shard, full, rank, world, eps=0.0)
 
 
 def check_mismatch(rank, world):
+    # T differing by one in v6's decode kernel, in cuda_v7's lagged prefill kernel (4000 and 4001
+    # tokens of the MiniMax shard), and across the two (4000 against 500).
+    for case, (t, q_width, k_width) in {"decode": (5 + rank, 256, 128), "prefill": (4000 + rank, 6144, 1024),
+                                        "prefill/decode": (4000 if rank == 0 else 500, 6144, 1024)}.items():
+        full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=9)
+        shard = tp.shard_of(full, rank, world)
+        before = {n: v.clone() for n, v in shard.items()}
+        tp.tp_qk_norm(**shard, backend="cuda")  # fused: detected on the GPU, raised at the next call
+        torch.cuda.synchronize()
+        for n in ("q_shard", "k_shard"):
+            if not torch.equal(shard[n], before[n]):
+                failures.append(f"mismatch ({case}): {n} was modified")
+        try:
+            tp.raise_pending_errors()
+            failures.append(f"mismatch ({case}): no error was raised on this rank")
+        except ValueError as error:
+            if "tokens" not in str(error):
+                failures.append(f"mismatch ({case}): unclear error {error}")
     full = tp.make_full_inputs(5 + rank, 256, 128, torch.bfloat16, "cuda", seed=9)
     shard = tp.shard_of(full, rank, world)
-    before = {n: v.clone() for n, v in shard.items()}
-    tp.tp_qk_norm(**shard, backend="cuda")  # fused: detected on the GPU, raised at the next call
-    torch.cuda.synchronize()
-    for n in ("q_shard", "k_shard"):
-        if not torch.equal(shard[n], before[n]):
-            failures.append(f"mismatch: {n} was modified")
-    try:
-        tp.raise_pending_errors()
-        failures.append("mismatch: no error was raised on this rank")
-    except ValueError as error:
-        if "tokens" not in str(error):
-            failures.append(f"mismatch: unclear error {error}")
     try:  # the NCCL path raises at the call itself
         tp.tp_qk_norm(**shard, backend="reference")
         failures.append("mismatch: the reference path raised nothing")
@@ -199,8 +250,9 @@ def check_epoch_wrap(rank, world):
     ws.counters[0] = -4  # int32 bits of 0xfffffffc
     torch.cuda.synchronize()
     dist.barrier()
-    for i in range(8):
-        full = tp.make_full_inputs(5 + 3 * i, 256, 128, torch.bfloat16, "cuda", seed=200 + i)
+    for i in range(8):  # odd calls large enough for cuda_v7's prefill kernel (its own end-of-launch path)
+        t, q_width, k_width = (4000, 6144, 1024) if i % 2 else (5 + 3 * i, 256, 128)
+        full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=200 + i)
         shard = tp.shard_of(full, rank, world)
         tp.tp_qk_norm(**shard, backend="cuda")
         check_shards(f"wrap call {i}", shard, full, rank, world)
@@ -249,17 +301,18 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="one tiny case (for compute-sanitizer)")
     parser.add_argument("--calls", type=int, default=1000)
-    parser.add_argument("--only", default=None, help="run only the check with this name (e.g. check_compile)")
+    parser.add_argument("--only", default=None, help="run only the checks with these names, comma-separated (e.g. check_compile)")
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
-    checks = [check_agreement] if args.small else [check_agreement, check_reuse, check_graph, check_zero_rows,
+    checks = [check_agreement] if args.small else [check_agreement, check_v7_dispatch, check_reuse, check_graph,
+                                                   check_zero_rows,
                                                    check_mismatch, check_chunks, check_chunk_mismatch,
                                                    check_epoch_wrap, check_compile]
     if args.only:
-        checks = [c for c in checks if c.__name__ == args.only]
+        checks = [c for c in checks if c.__name__ in args.only.split(",")]
     for check in checks:
         start = time.perf_counter()
         try:

@@ -175,6 +175,16 @@ __device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T>& in) {
   __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&in));
 }
 
+// A row that will be read again soon (tp_qk_norm v7 reads a token's rows, and re-reads them a few
+// steps later): ld.global.cg caches it in L2 only, with the default (evict-normal) policy, so the
+// second read finds it there and the SM's L1 keeps what it reuses (the weights).
+template <typename T>
+__device__ __forceinline__ Vec<T> load_vec_l2(const T* p) {
+  Vec<T> out;
+  *reinterpret_cast<uint4*>(&out) = __ldcg(reinterpret_cast<const uint4*>(p));
+  return out;
+}
+
 // The row of an in-place op: streaming accesses in the kernels compiled with kStreaming (v5 on),
 // the default cached ones otherwise. One place for the choice, so a kernel body reads the same.
 template <typename T, bool kStreaming>
