@@ -445,8 +445,9 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // asking for the same two 256-byte lines at once, apparently come back after the row's. A
 // programmatic launch spends the previous kernel's last microseconds parked at
 // griddepcontrol.wait; v12's kernel (kWarmWeights) has block 0 issue prefetch.global.L2 for both
-// weights first, so they are L2 hits by the time any block reads them. Block 0 is in the first wave at every size, so the
-// kernel is the same at every size; past the first wave it changes nothing.
+// weights first, so they are L2 hits by the time any block reads them. Block 0 is in the first
+// wave at every size, so the kernel is the same at every size; past the first wave it changes
+// nothing.
 // Probed on the H200 (bench harness, us, v11 against v12 in one run): one token x 72 heads
 // 1.15 / 0.95, 64 tokens 1.98 / 1.76, 1024 tokens x 8/1 heads 2.86 / 2.63. The first try warmed
 // each lane group's own weight: 0.92 at one token, but 4.06 against 1.98 at 64 tokens and 9.5

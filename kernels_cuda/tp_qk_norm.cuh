@@ -520,6 +520,15 @@ __device__ __forceinline__ bool wait_for_epoch_unless(const uint64_t* addr, uint
 constexpr int kEpochThread = kFusedThreads - 1 - kMaxRanks * kHeaderWords;  // neither a waiting nor a header thread
 static_assert(kEpochThread >= kMaxRowsPerCta * kMaxRanks, "v4: the epoch thread does not wait for sums");
 
+// v4's early epoch: each CTA calls it once, after it has read the epoch; the last CTA to count
+// itself in advances the epoch for the next launch (which reads it only after this one completes).
+__device__ __forceinline__ void count_in_for_the_epoch(const FusedParams& p, uint32_t epoch) {
+  if (atomicAdd(p.counters + kDoneCounter, 1u) == gridDim.x - 1) {  // every CTA has read the epoch
+    p.counters[kDoneCounter] = 0;
+    p.counters[kEpochCounter] = next_epoch(epoch);
+  }
+}
+
 template <typename T, int kElems, bool kStaged, bool kHfRounding, bool kEarlyEpoch = false,
           bool kProgrammatic = false, bool kBatched = false>
 __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) {
@@ -575,10 +584,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
   } else if (header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread)) {
     ranks_agree = 0;
   } else if (kEarlyEpoch && !near_wrap && threadIdx.x == kEpochThread) {
-    if (atomicAdd(p.counters + kDoneCounter, 1u) == gridDim.x - 1) {  // every CTA has read the epoch
-      p.counters[kDoneCounter] = 0;
-      p.counters[kEpochCounter] = next_epoch(epoch);
-    }
+    count_in_for_the_epoch(p, epoch);
   }
   __syncthreads();
   const bool agree = ranks_agree != 0;
@@ -734,8 +740,8 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
       }
     }
 
-    // 2. Finish the token summed lag steps ago: its rows requested again (from L2, where step
-    //    s - lag left them) before the wait for its sums, so that the wait and both requests overlap.
+    // 2. Finish the token summed kLag steps ago: its rows requested again (from L2, where step
+    //    s - kLag left them) before the wait for its sums, so that the wait and both requests overlap.
     if (finish_now) {
       const RowPair<T> done = row_pair<T>(p, finished);
       Vec<T> again[kVecsPerThread];
@@ -754,10 +760,7 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
       } else if (first_finish && header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread)) {
         ranks_agree = 0;
       } else if (first_finish && !near_wrap && threadIdx.x == epoch_thread) {
-        if (atomicAdd(p.counters + kDoneCounter, 1u) == gridDim.x - 1) {  // every CTA has read the epoch
-          p.counters[kDoneCounter] = 0;
-          p.counters[kEpochCounter] = next_epoch(epoch);
-        }
+        count_in_for_the_epoch(p, epoch);
       }
       first_finish = false;
       __syncthreads();
@@ -893,9 +896,8 @@ inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
 template <typename T, int kVecsPerThread, bool kHfRounding>
 inline bool launch_lagged_rows_fixed(FusedParams p, int vecs, cudaStream_t stream) {
   constexpr auto kernel = lagged_rows_kernel<T, kVecsPerThread, kHfRounding>;
-  const int needed = (vecs + kVecsPerThread - 1) / kVecsPerThread;
-  const int warps = (needed + kWarpSize - 1) / kWarpSize;
-  const int threads = warps * kWarpSize < kLaggedMinThreads ? kLaggedMinThreads : warps * kWarpSize;
+  const int whole_warps = cross_head_norm::v3_threads(vecs, kVecsPerThread);
+  const int threads = whole_warps < kLaggedMinThreads ? kLaggedMinThreads : whole_warps;
   const int64_t resident = persistent_grid_limit<kernel>(threads);
   if (p.shard.num_tokens < resident) return false;
   p.tokens_per_cta = 1;
