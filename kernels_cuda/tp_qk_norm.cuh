@@ -17,6 +17,7 @@
 // v5: v4 launched as a programmatic dependent launch: its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes, and it lets the next launch do the same - removes the launch gap between back-to-back kernels from each call
 // v6: v5 with each lane's loads of a row issued as one batch before any is used (phase 1's shard packs, phase 4's weights) - removes v5's serial round trips: its loads were generic, so the compiler kept each one behind the previous store into the shared tile (one DRAM latency per pack)
 // v7: v6 with, at prefill sizes, a persistent walk in which a CTA sums a token's rows and pushes the partials, then finishes that token two steps later: its peers' sums have arrived by then, and its rows are read again from L2 - removes v6's shared-memory tile and its wait per tile, and holds no row through an NVLink round trip (as registers did in a reverted one-CTA-per-token kernel)
+// v8: v7 with each thread's effective weights (w + weight_offset, fp32) held in registers for the whole walk, loaded once before its first token - removes the weight loads, conversions and offset adds from every token a CTA finishes: Nsight Compute showed v7's walk issue-bound (73 % of issue slots busy), not waiting on DRAM
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -657,6 +658,20 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
 // (59.6), 8192 52.3 -> 47.1 (31.1), 2048 18.6 -> 15.7 (9.9). Issuing step 2's second read after
 // the wait instead of before it gave 87.5 at 16384 tokens.
 // ------------------------------------------------------------------------------------------
+
+// ------------------------------------------------------------------------------------------
+// v8: v7 with each thread's effective weights (w + weight_offset, fp32) held in registers for the whole walk, loaded once before its first token - removes the weight loads, conversions and offset adds from every token a CTA finishes: Nsight Compute showed v7's walk issue-bound (73 % of issue slots busy), not waiting on DRAM
+// Measured with Nsight Compute on one H200, v7's kernel alone (world 1, the MiniMax TP=2 shard,
+// 16384 tokens; docs/tp_qk_norm.md, "Where v7's time goes"): 73 % of its issue slots busy, the
+// warps mostly stalled on barriers or not selected, DRAM at 56 % of its peak, and as slow
+// without the wait (the exchange) or without the second read (the L2 hit). Its time is
+// instructions. Per 16-byte vector a step spent about as much on the vector's weights (the L1
+// load, the branch between fp32 and activation-type weights, the unpack and the offset add) as on
+// normalizing it, although a thread's columns, and so its weights, are the same at every step of
+// the walk. v8 computes them once, before the walk (kHeldWeights), at 24 more registers per
+// thread at the MiniMax shard (96: 5 CTAs per SM instead of 7); the issue slots busy fall to
+// 56 %, and the walk is 3 % faster at every size measured (Results).
+// ------------------------------------------------------------------------------------------
 constexpr int kLaggedMaxThreads = 128;
 constexpr int kLaggedMinThreads = 64;
 constexpr int kLaggedMaxVecsPerThread = 8;
@@ -693,14 +708,20 @@ __device__ __forceinline__ RowPair<T> row_pair(const FusedParams& p, int64_t tok
 // CTAs of kLaggedMaxThreads threads per SM that the register budget aims at (ptxas, sm_90, no
 // spills): 8 (64 registers) up to 2 vectors per thread; 7 at 4 (72: a step holds two tokens'
 // vectors, 8 KiB of each per CTA, and at 64 it spilled), 5 in the Hugging Face order, whose extra
-// roundings in fp16 needed more than 80; 4 at 8 vectors.
-constexpr int lagged_min_ctas_per_sm(int vecs_per_thread, bool hf_rounding) {
+// roundings in fp16 needed more than 80; 4 at 8 vectors. v8's held weights (one float per element
+// of the thread's vectors) add 8 registers per bf16/fp16 vector: HELD_MIN_CTAS below.
+constexpr int lagged_min_ctas_per_sm(int vecs_per_thread, bool hf_rounding, bool held_weights) {
+  if (held_weights) return vecs_per_thread <= 1 ? 8 : vecs_per_thread <= 2 ? 6 : 5;
   return vecs_per_thread <= 2 ? 8 : vecs_per_thread <= 4 ? (hf_rounding ? 5 : 7) : 4;
 }
+// v8 holds the weights of at most this many vectors per thread (32 registers in bf16); wider row
+// pairs (8 vectors per thread) keep v7's kernel.
+constexpr int kHeldWeightsMaxVecs = 4;
 
-template <typename T, int kVecsPerThread, bool kHfRounding>
-__global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVecsPerThread, kHfRounding))
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kHeldWeights>
+__global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVecsPerThread, kHfRounding, kHeldWeights))
     lagged_rows_kernel(FusedParams p) {
+  static_assert(!kHeldWeights || kVecsPerThread <= kHeldWeightsMaxVecs, "v8 holds the weights of few vectors");
   constexpr int kElems = Vec<T>::kElems;
   __shared__ float partials[kNumTensors][kMaxRanks];
   __shared__ int ranks_agree;
@@ -719,6 +740,21 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
   if (threadIdx.x == 0) ranks_agree = 1;
   __syncthreads();
   publish_header(p, epoch, parity);
+
+  // v8: this thread's effective weights, the same at every step (its columns do not change).
+  float held_w[kHeldWeights ? kVecsPerThread : 1][kElems];
+  if constexpr (kHeldWeights) {
+    const RowPair<T> first = row_pair<T>(p, blockIdx.x);  // any token: only the weight columns are used
+#pragma unroll
+    for (int j = 0; j < kVecsPerThread; ++j) {
+      const int c = threadIdx.x + j * blockDim.x;
+      if (c < first.vecs) {
+        const Row<T> row = first.row(c);
+        effective_weights<T, kHfRounding>(load_raw_weights<T>(row, first.col(c)), row.w_is_fp32, p.shard.weight_offset,
+                                          held_w[j]);
+      }
+    }
+  }
 
   bool first_finish = true;
   for (int64_t step = 0;; ++step) {
@@ -772,6 +808,21 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
       }
       const float q_rstd = rstd_from(totals[kQ], p.q_full_width, p.shard.eps);
       const float k_rstd = rstd_from(totals[kK], p.k_full_width, p.shard.eps);
+      if constexpr (kHeldWeights) {
+#pragma unroll
+        for (int j = 0; j < kVecsPerThread; ++j) {
+          const int c = threadIdx.x + j * blockDim.x;
+          if (c < done.vecs) {
+            float xf[kElems];
+            unpack<T>(again[j], xf);
+            const float rstd = c < done.q_vecs ? q_rstd : k_rstd;
+            Vec<T> y;
+#pragma unroll
+            for (int e = 0; e < kElems; ++e) y.v[e] = normalize<T, kHfRounding>(xf[e], rstd, held_w[j][e]);
+            store_vec_streaming<T>(done.row(c).x + done.col(c), y);
+          }
+        }
+      } else {
 #pragma unroll
       for (int base = 0; base < kVecsPerThread; base += kLaggedWeightUnroll) {
         RawWeights<T> raw[kLaggedWeightUnroll];  // L1 hits: every step of the CTA reads the same columns
@@ -796,6 +847,7 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
             store_vec_streaming<T>(row.x + done.col(c), y);
           }
         }
+      }
       }
       if (!sum_now) __syncthreads();  // every thread has read partials before the next step rewrites them
     }
@@ -893,9 +945,10 @@ inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
 
 // v7's kernel at kVecsPerThread vectors per thread on a persistent grid of its resident CTAs, if
 // the chunk has at least a token for each; returns whether it launched.
-template <typename T, int kVecsPerThread, bool kHfRounding>
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kHeldWeights>
 inline bool launch_lagged_rows_fixed(FusedParams p, int vecs, cudaStream_t stream) {
-  constexpr auto kernel = lagged_rows_kernel<T, kVecsPerThread, kHfRounding>;
+  constexpr auto kernel =
+      lagged_rows_kernel<T, kVecsPerThread, kHfRounding, kHeldWeights && kVecsPerThread <= kHeldWeightsMaxVecs>;
   const int whole_warps = cross_head_norm::v3_threads(vecs, kVecsPerThread);
   const int threads = whole_warps < kLaggedMinThreads ? kLaggedMinThreads : whole_warps;
   const int64_t resident = persistent_grid_limit<kernel>(threads);
@@ -909,14 +962,15 @@ inline bool launch_lagged_rows_fixed(FusedParams p, int vecs, cudaStream_t strea
 // v7's prefill path for a chunk of 16-byte aligned rows: the fewest vectors per thread that fit
 // the row pair in kLaggedMaxThreads threads (as cross_head_norm v3 sizes its block); false where
 // the row pair is too wide or the chunk too small (v6 runs).
-template <typename T, bool kHfRounding>
+// v8 (kHeldWeights) the same, its weights held in registers up to kHeldWeightsMaxVecs per thread.
+template <typename T, bool kHfRounding, bool kHeldWeights>
 inline bool launch_lagged_rows(const FusedParams& p, cudaStream_t stream) {
   const int vecs = (p.shard.q_hidden + p.shard.k_hidden) / Vec<T>::kElems;
-  static_assert(kLaggedMaxVecsPerThread == 8, "the cases below");
-  if (vecs <= kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 1, kHfRounding>(p, vecs, stream);
-  if (vecs <= 2 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 2, kHfRounding>(p, vecs, stream);
-  if (vecs <= 4 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 4, kHfRounding>(p, vecs, stream);
-  if (vecs <= 8 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 8, kHfRounding>(p, vecs, stream);
+  static_assert(kLaggedMaxVecsPerThread == 8 && kHeldWeightsMaxVecs == 4, "the cases below");
+  if (vecs <= kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 1, kHfRounding, kHeldWeights>(p, vecs, stream);
+  if (vecs <= 2 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 2, kHfRounding, kHeldWeights>(p, vecs, stream);
+  if (vecs <= 4 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 4, kHfRounding, kHeldWeights>(p, vecs, stream);
+  if (vecs <= 8 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 8, kHfRounding, false>(p, vecs, stream);
   return false;
 }
 
@@ -933,8 +987,8 @@ inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
     chunk.shard.q = static_cast<T*>(call.shard.q) + first * call.shard.q_token_stride;
     chunk.shard.k = static_cast<T*>(call.shard.k) + first * call.shard.k_token_stride;
     chunk.chunk_index = chunk_index++;
-    if (kVersion >= 7 && packed && launch_lagged_rows<T, kHfRounding>(chunk, stream)) {
-      // v7's kernel took the chunk
+    if (kVersion >= 7 && packed && launch_lagged_rows<T, kHfRounding, (kVersion >= 8)>(chunk, stream)) {
+      // v7's (or v8's) kernel took the chunk
     } else if (packed) {
       launch_fused_packs<kVersion, T, Vec<T>::kElems, kHfRounding>(chunk, stream);
     } else {
@@ -971,7 +1025,7 @@ inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cu
   });
 }
 
-constexpr int kNumVersions = 7;
+constexpr int kNumVersions = 8;
 
 // The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
 inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
@@ -988,8 +1042,10 @@ inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, in
       hf_rounding ? launch_fused<5, T, true>(p, stream) : launch_fused<5, T, false>(p, stream);
     } else if (version == 6) {
       hf_rounding ? launch_fused<6, T, true>(p, stream) : launch_fused<6, T, false>(p, stream);
-    } else {
+    } else if (version == 7) {
       hf_rounding ? launch_fused<7, T, true>(p, stream) : launch_fused<7, T, false>(p, stream);
+    } else {
+      hf_rounding ? launch_fused<8, T, true>(p, stream) : launch_fused<8, T, false>(p, stream);
     }
   });
 }

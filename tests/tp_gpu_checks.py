@@ -61,7 +61,7 @@ def check_agreement(rank, world, small):
                                                      (300, 1040, 272), (200, 1040, 272), (2, 16384, 1024),
                                                      (2, 32768, 1024), (4000, 6144, 1024), (9000, 512, 256)]
     # 200: two tokens per CTA; 32768: unstaged in fp32; 4000 and 9000 (a chunk of 8192 and one of
-    # 808): cuda_v7's lagged kernel where a chunk has a token per resident CTA
+    # 808): cuda_v7's and cuda_v8's lagged kernel where a chunk has a token per resident CTA
     impls = registry.implementations(tp.OP)
     if small:
         impls = [registry.latest(tp.OP, "cuda")]
@@ -98,38 +98,45 @@ def kernels_run(fn):
     return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
-def check_v7_dispatch(rank, world):
-    """cuda_v7 runs its lagged persistent kernel on chunks with at least a token per resident CTA
-    (about 1056 at the MiniMax shard on a 132-SM GPU) and v6's kernels on smaller ones; calls of
-    both kinds back to back stay correct."""
-    v7 = next(i for i in registry.implementations(tp.OP) if i.name == "cuda_v7")
-    # 1500: some CTAs have one token, fewer than the lag (steps that neither sum nor finish)
-    for t, q_width, k_width, expect in ((4000, 6144, 1024, {True}), (512, 6144, 1024, {False}),
-                                        (1500, 6144, 1024, {True}), (9000, 512, 256, {True, False}),
-                                        (4000, 6144, 1024, {True})):
-        full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=40 + t)
-        shard = tp.shard_of(full, rank, world)
-        names = kernels_run(lambda: run(v7.fn, shard))
-        kinds = {"lagged_rows_kernel" in n for n in names if "tp_qk_norm" in n}
-        if kinds != expect:
-            failures.append(f"cuda_v7 T={t} {q_width}/{k_width}: kernels {sorted(names)}")
-        check_shards(f"cuda_v7 dispatch T={t} {q_width}/{k_width}", shard, full, rank, world)
-    # Two prefill calls captured in one CUDA graph, replayed twice.
-    fulls = [tp.make_full_inputs(t, 6144, 1024, torch.bfloat16, "cuda", seed=60 + t) for t in (4000, 4500)]
-    shards = [tp.shard_of(f, rank, world) for f in fulls]
+def replay_and_check(label, graph, shards, fulls, rank, world, replays=2):
+    """Restore the shards' inputs, replay `graph` (captured over them), check every shard; twice."""
     originals = [{n: v.clone() for n, v in sh.items()} for sh in shards]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for sh in shards:
-            run(v7.fn, sh)
-    for replay in range(2):
+    for replay in range(replays):
         for sh, o in zip(shards, originals):
             for n in ("q_shard", "k_shard"):
                 sh[n].copy_(o[n])
         graph.replay()
         torch.cuda.synchronize()
-        for sh, f in zip(shards, fulls):
-            check_shards(f"cuda_v7 graph replay {replay} T={sh['q_shard'].shape[0]}", sh, f, rank, world)
+        for i, (sh, f) in enumerate(zip(shards, fulls)):
+            check_shards(f"{label} replay {replay} call {i} T={sh['q_shard'].shape[0]}", sh, f, rank, world)
+
+
+def check_lagged_dispatch(rank, world):
+    """cuda_v7 and cuda_v8 run their lagged persistent kernel on chunks with at least a token per
+    resident CTA (about 660-924 at the MiniMax shard on a 132-SM GPU) and v6's kernels on smaller
+    ones; calls of both kinds back to back stay correct."""
+    for name in ("cuda_v7", "cuda_v8"):
+        impl = registry.get(tp.OP, name)
+        # 1500: some CTAs have one token, fewer than the lag (steps that neither sum nor finish);
+        # 3000 x 2048/512: 2 vectors per thread at TP=2 in bf16 (v8's held weights there)
+        for t, q_width, k_width, expect in ((4000, 6144, 1024, {True}), (512, 6144, 1024, {False}),
+                                            (1500, 6144, 1024, {True}), (9000, 512, 256, {True, False}),
+                                            (3000, 2048, 512, {True}), (4000, 6144, 1024, {True})):
+            full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=40 + t)
+            shard = tp.shard_of(full, rank, world)
+            names = kernels_run(lambda: run(impl.fn, shard))
+            kinds = {"lagged_rows_kernel" in n for n in names if "tp_qk_norm" in n}
+            if kinds != expect:
+                failures.append(f"{name} T={t} {q_width}/{k_width}: kernels {sorted(names)}")
+            check_shards(f"{name} dispatch T={t} {q_width}/{k_width}", shard, full, rank, world)
+        # Two prefill calls captured in one CUDA graph, replayed twice.
+        fulls = [tp.make_full_inputs(t, 6144, 1024, torch.bfloat16, "cuda", seed=60 + t) for t in (4000, 4500)]
+        shards = [tp.shard_of(f, rank, world) for f in fulls]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for sh in shards:
+                run(impl.fn, sh)
+        replay_and_check(f"{name} graph", graph, shards, fulls, rank, world)
 
 
 def check_reuse(rank, world, calls):
@@ -152,25 +159,17 @@ def check_reuse(rank, world, calls):
 def check_graph(rank, world):
     fulls = [tp.make_full_inputs(16 + 8 * i, 512, 128, torch.bfloat16, "cuda", seed=100 + i) for i in range(8)]
     shards = [tp.shard_of(f, rank, world) for f in fulls]
-    originals = [{n: v.clone() for n, v in s.items()} for s in shards]
     tp.tp_qk_norm(**tp.shard_of(fulls[0], rank, world), backend="cuda")  # workspace and build before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for s in shards:
             tp.tp_qk_norm(**s, backend="cuda")
-    for replay in range(2):
-        for s, o in zip(shards, originals):
-            for n in ("q_shard", "k_shard"):
-                s[n].copy_(o[n])
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (s, f) in enumerate(zip(shards, fulls)):
-            check_shards(f"graph replay {replay} call {i}", s, f, rank, world)
+    replay_and_check("graph", graph, shards, fulls, rank, world)
 
 
 def check_zero_rows(rank, world):
-    for t, q_width, k_width in ((64, 512, 128), (4000, 6144, 1024)):  # 4000: cuda_v7's prefill kernel
+    for t, q_width, k_width in ((64, 512, 128), (4000, 6144, 1024)):  # 4000: the lagged prefill kernel (v7, v8)
         full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=5, kind="zero_rows")
         for impl in registry.implementations(tp.OP):
             shard = tp.shard_of(full, rank, world)
@@ -180,7 +179,7 @@ def check_zero_rows(rank, world):
 
 
 def check_mismatch(rank, world):
-    # T differing by one in v6's decode kernel, in cuda_v7's lagged prefill kernel (4000 and 4001
+    # T differing by one in v6's decode kernel, in the lagged prefill kernel (v8's, the latest) (4000 and 4001
     # tokens of the MiniMax shard), and across the two (4000 against 500).
     for case, (t, q_width, k_width) in {"decode": (5 + rank, 256, 128), "prefill": (4000 + rank, 6144, 1024),
                                         "prefill/decode": (4000 if rank == 0 else 500, 6144, 1024)}.items():
@@ -250,7 +249,7 @@ def check_epoch_wrap(rank, world):
     ws.counters[0] = -4  # int32 bits of 0xfffffffc
     torch.cuda.synchronize()
     dist.barrier()
-    for i in range(8):  # odd calls large enough for cuda_v7's prefill kernel (its own end-of-launch path)
+    for i in range(8):  # odd calls large enough for the lagged prefill kernel (its own end-of-launch path)
         t, q_width, k_width = (4000, 6144, 1024) if i % 2 else (5 + 3 * i, 256, 128)
         full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=200 + i)
         shard = tp.shard_of(full, rank, world)
@@ -307,7 +306,7 @@ def main() -> int:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
-    checks = [check_agreement] if args.small else [check_agreement, check_v7_dispatch, check_reuse, check_graph,
+    checks = [check_agreement] if args.small else [check_agreement, check_lagged_dispatch, check_reuse, check_graph,
                                                    check_zero_rows,
                                                    check_mismatch, check_chunks, check_chunk_mismatch,
                                                    check_epoch_wrap, check_compile]

@@ -42,7 +42,9 @@ NAMED_KERNELS = {
         5: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, false>", "fused_kernel<__nv_bfloat16, 8, true, false, true, false>"),
         6: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, true>", "fused_kernel<__nv_bfloat16, 8, true, false, true, true>"),
         # v7: its prefill kernel at 4 vectors per thread (the MiniMax shard at TP=2); smaller calls run v6's
-        7: ("lagged_rows_kernel<__nv_bfloat16, 4, false>",),
+        7: ("lagged_rows_kernel<__nv_bfloat16, 4, false, false>",),
+        # v8: the same walk with the weights held in registers
+        8: ("lagged_rows_kernel<__nv_bfloat16, 4, false, true>",),
     },
 }
 
