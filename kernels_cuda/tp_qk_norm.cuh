@@ -698,6 +698,18 @@ struct RowPair {
   __device__ __forceinline__ int col(int c) const { return (c < q_vecs ? c : c - q_vecs) * Vec<T>::kElems; }
 };
 
+// One finished 16-byte vector: x * rstd * w (w: the effective weights) rounded once (or in the
+// Hugging Face order), stored with the streaming hint (its last access in the call).
+template <typename T, bool kHfRounding>
+__device__ __forceinline__ void write_normalized(T* dst, const Vec<T>& x, float rstd, const float (&w)[Vec<T>::kElems]) {
+  float xf[Vec<T>::kElems];
+  unpack<T>(x, xf);
+  Vec<T> y;
+#pragma unroll
+  for (int e = 0; e < Vec<T>::kElems; ++e) y.v[e] = normalize<T, kHfRounding>(xf[e], rstd, w[e]);
+  store_vec_streaming<T>(dst, y);
+}
+
 template <typename T>
 __device__ __forceinline__ RowPair<T> row_pair(const FusedParams& p, int64_t token) {
   const int q_vecs = p.shard.q_hidden / Vec<T>::kElems;
@@ -813,41 +825,31 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
         for (int j = 0; j < kVecsPerThread; ++j) {
           const int c = threadIdx.x + j * blockDim.x;
           if (c < done.vecs) {
-            float xf[kElems];
-            unpack<T>(again[j], xf);
-            const float rstd = c < done.q_vecs ? q_rstd : k_rstd;
-            Vec<T> y;
-#pragma unroll
-            for (int e = 0; e < kElems; ++e) y.v[e] = normalize<T, kHfRounding>(xf[e], rstd, held_w[j][e]);
-            store_vec_streaming<T>(done.row(c).x + done.col(c), y);
+            write_normalized<T, kHfRounding>(done.row(c).x + done.col(c), again[j],
+                                             c < done.q_vecs ? q_rstd : k_rstd, held_w[j]);
           }
         }
       } else {
 #pragma unroll
-      for (int base = 0; base < kVecsPerThread; base += kLaggedWeightUnroll) {
-        RawWeights<T> raw[kLaggedWeightUnroll];  // L1 hits: every step of the CTA reads the same columns
+        for (int base = 0; base < kVecsPerThread; base += kLaggedWeightUnroll) {
+          RawWeights<T> raw[kLaggedWeightUnroll];  // L1 hits: every step of the CTA reads the same columns
 #pragma unroll
-        for (int b = 0; b < kLaggedWeightUnroll; ++b) {
-          const int c = threadIdx.x + (base + b) * blockDim.x;
-          if (base + b < kVecsPerThread && c < done.vecs) raw[b] = load_raw_weights<T>(done.row(c), done.col(c));
-        }
+          for (int b = 0; b < kLaggedWeightUnroll; ++b) {
+            const int c = threadIdx.x + (base + b) * blockDim.x;
+            if (base + b < kVecsPerThread && c < done.vecs) raw[b] = load_raw_weights<T>(done.row(c), done.col(c));
+          }
 #pragma unroll
-        for (int b = 0; b < kLaggedWeightUnroll; ++b) {
-          const int c = threadIdx.x + (base + b) * blockDim.x;
-          if (base + b < kVecsPerThread && c < done.vecs) {
-            const Row<T> row = done.row(c);
-            float w[kElems], xf[kElems];
-            effective_weights<T, kHfRounding>(raw[b], row.w_is_fp32, p.shard.weight_offset, w);
-            unpack<T>(again[base + b], xf);
-            Vec<T> y;
-#pragma unroll
-            for (int e = 0; e < kElems; ++e) {
-              y.v[e] = normalize<T, kHfRounding>(xf[e], c < done.q_vecs ? q_rstd : k_rstd, w[e]);
+          for (int b = 0; b < kLaggedWeightUnroll; ++b) {
+            const int c = threadIdx.x + (base + b) * blockDim.x;
+            if (base + b < kVecsPerThread && c < done.vecs) {
+              const Row<T> row = done.row(c);
+              float w[kElems];
+              effective_weights<T, kHfRounding>(raw[b], row.w_is_fp32, p.shard.weight_offset, w);
+              write_normalized<T, kHfRounding>(row.x + done.col(c), again[base + b], c < done.q_vecs ? q_rstd : k_rstd,
+                                               w);
             }
-            store_vec_streaming<T>(row.x + done.col(c), y);
           }
         }
-      }
       }
       if (!sum_now) __syncthreads();  // every thread has read partials before the next step rewrites them
     }
