@@ -663,14 +663,15 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
 // v8: v7 with each thread's effective weights (w + weight_offset, fp32) held in registers for the whole walk, loaded once before its first token - removes the weight loads, conversions and offset adds from every token a CTA finishes: Nsight Compute showed v7's walk issue-bound (73 % of issue slots busy), not waiting on DRAM
 // Measured with Nsight Compute on one H200, v7's kernel alone (world 1, the MiniMax TP=2 shard,
 // 16384 tokens; docs/tp_qk_norm.md, "Where v7's time goes"): 73 % of its issue slots busy, the
-// warps mostly stalled on barriers or not selected, DRAM at 56 % of its peak, and as slow
+// warps mostly stalled on barriers or not selected, DRAM at 55 % of its peak, and as slow
 // without the wait (the exchange) or without the second read (the L2 hit). Its time is
 // instructions. Per 16-byte vector a step spent about as much on the vector's weights (the L1
 // load, the branch between fp32 and activation-type weights, the unpack and the offset add) as on
 // normalizing it, although a thread's columns, and so its weights, are the same at every step of
 // the walk. v8 computes them once, before the walk (kHeldWeights), at 24 more registers per
 // thread at the MiniMax shard (96: 5 CTAs per SM instead of 7); the issue slots busy fall to
-// 56 %, and the walk is 3 % faster at every size measured (Results).
+// 56 %, and the walk is 3-4 % faster at 8192 and 16384 tokens (10 % at a TP=8-sized shard on
+// one GPU) and ties at 2048 (Results).
 // ------------------------------------------------------------------------------------------
 constexpr int kLaggedMaxThreads = 128;
 constexpr int kLaggedMinThreads = 64;
@@ -721,7 +722,8 @@ __device__ __forceinline__ RowPair<T> row_pair(const FusedParams& p, int64_t tok
 // spills): 8 (64 registers) up to 2 vectors per thread; 7 at 4 (72: a step holds two tokens'
 // vectors, 8 KiB of each per CTA, and at 64 it spilled), 5 in the Hugging Face order, whose extra
 // roundings in fp16 needed more than 80; 4 at 8 vectors. v8's held weights (one float per element
-// of the thread's vectors) add 8 registers per bf16/fp16 vector: HELD_MIN_CTAS below.
+// of the thread's vectors) take 61-64 registers at 1 vector, 76-80 at 2 and 96 at 4: the
+// held_weights branch.
 constexpr int lagged_min_ctas_per_sm(int vecs_per_thread, bool hf_rounding, bool held_weights) {
   if (held_weights) return vecs_per_thread <= 1 ? 8 : vecs_per_thread <= 2 ? 6 : 5;
   return vecs_per_thread <= 2 ? 8 : vecs_per_thread <= 4 ? (hf_rounding ? 5 : 7) : 4;
@@ -949,8 +951,7 @@ inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
 // the chunk has at least a token for each; returns whether it launched.
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kHeldWeights>
 inline bool launch_lagged_rows_fixed(FusedParams p, int vecs, cudaStream_t stream) {
-  constexpr auto kernel =
-      lagged_rows_kernel<T, kVecsPerThread, kHfRounding, kHeldWeights && kVecsPerThread <= kHeldWeightsMaxVecs>;
+  constexpr auto kernel = lagged_rows_kernel<T, kVecsPerThread, kHfRounding, kHeldWeights>;
   const int whole_warps = cross_head_norm::v3_threads(vecs, kVecsPerThread);
   const int threads = whole_warps < kLaggedMinThreads ? kLaggedMinThreads : whole_warps;
   const int64_t resident = persistent_grid_limit<kernel>(threads);

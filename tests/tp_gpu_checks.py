@@ -179,8 +179,8 @@ def check_zero_rows(rank, world):
 
 
 def check_mismatch(rank, world):
-    # T differing by one in v6's decode kernel, in the lagged prefill kernel (v8's, the latest) (4000 and 4001
-    # tokens of the MiniMax shard), and across the two (4000 against 500).
+    # T differing by one in v6's decode kernel, in the lagged prefill kernel (the latest version's;
+    # 4000 and 4001 tokens of the MiniMax shard), and across the two (4000 against 500).
     for case, (t, q_width, k_width) in {"decode": (5 + rank, 256, 128), "prefill": (4000 + rank, 6144, 1024),
                                         "prefill/decode": (4000 if rank == 0 else 500, 6144, 1024)}.items():
         full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=9)
