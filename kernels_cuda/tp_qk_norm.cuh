@@ -18,6 +18,7 @@
 // v6: v5 with each lane's loads of a row issued as one batch before any is used (phase 1's shard packs, phase 4's weights) - removes v5's serial round trips: its loads were generic, so the compiler kept each one behind the previous store into the shared tile (one DRAM latency per pack)
 // v7: v6 with, at prefill sizes, a persistent walk in which a CTA sums a token's rows and pushes the partials, then finishes that token two steps later: its peers' sums have arrived by then, and its rows are read again from L2 - removes v6's shared-memory tile and its wait per tile, and holds no row through an NVLink round trip (as registers did in a reverted one-CTA-per-token kernel)
 // v8: v7 with each thread's effective weights (w + weight_offset, fp32) held in registers for the whole walk, loaded once before its first token - removes the weight loads, conversions and offset adds from every token a CTA finishes: Nsight Compute showed v7's walk issue-bound (73 % of issue slots busy), not waiting on DRAM
+// v9: v8 with the effective weights kept in shared memory instead of registers: each thread writes its own columns' fp32 weights there once, before the walk, and reads them back at every finish - keeps v8's per-step savings at v7's register count (72 instead of 96 at the MiniMax shard: 7 CTAs per SM instead of 5) and extends them to 8 vectors per thread
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -673,6 +674,21 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
 // 56 %, and the walk is 3-4 % faster at 8192 and 16384 tokens (10 % at a TP=8-sized shard on
 // one GPU) and ties at 2048 (Results).
 // ------------------------------------------------------------------------------------------
+
+// ------------------------------------------------------------------------------------------
+// v9: v8 with the effective weights kept in shared memory instead of registers: each thread writes its own columns' fp32 weights there once, before the walk, and reads them back at every finish - keeps v8's per-step savings at v7's register count (72 instead of 96 at the MiniMax shard: 7 CTAs per SM instead of 5) and extends them to 8 vectors per thread
+// v8 bought its instructions with registers: 96 per thread, 5 CTAs of 4 warps per SM, 30 %
+// achieved occupancy, and the walk still spends most of its time on barriers and waits with
+// few warps to switch to. Shared memory is idle in the lagged walk (the tile went with v7), and a
+// thread's weights are private to it: thread i writes columns i, i + blockDim.x, ... and only it
+// reads them back, so no barrier is needed, and the float4 planes (elements 0-3, 4-7 of each
+// vector, consecutive threads at consecutive float4s) are read without bank conflicts. A CTA holds
+// kLaggedMaxThreads * kVecsPerThread * kElems floats: 16 KiB at 4 bf16 vectors per thread.
+// ------------------------------------------------------------------------------------------
+
+// Where the lagged walk keeps a thread's effective weights: v7 reloads them (L1 hits) at every
+// finish, v8 holds them in registers, v9 in shared memory.
+enum class WeightSource { kReloaded, kRegisters, kShared };
 constexpr int kLaggedMaxThreads = 128;
 constexpr int kLaggedMinThreads = 64;
 constexpr int kLaggedMaxVecsPerThread = 8;
@@ -724,21 +740,53 @@ __device__ __forceinline__ RowPair<T> row_pair(const FusedParams& p, int64_t tok
 // roundings in fp16 needed more than 80; 4 at 8 vectors. v8's held weights (one float per element
 // of the thread's vectors) take 61-64 registers at 1 vector, 76-80 at 2 and 96 at 4: the
 // held_weights branch.
-constexpr int lagged_min_ctas_per_sm(int vecs_per_thread, bool hf_rounding, bool held_weights) {
-  if (held_weights) return vecs_per_thread <= 1 ? 8 : vecs_per_thread <= 2 ? 6 : 5;
+// v9's shared weights leave the registers at v7's count, so it takes v7's budget.
+constexpr int lagged_min_ctas_per_sm(int vecs_per_thread, bool hf_rounding, WeightSource weights) {
+  if (weights == WeightSource::kRegisters) return vecs_per_thread <= 1 ? 8 : vecs_per_thread <= 2 ? 6 : 5;
   return vecs_per_thread <= 2 ? 8 : vecs_per_thread <= 4 ? (hf_rounding ? 5 : 7) : 4;
 }
 // v8 holds the weights of at most this many vectors per thread (32 registers in bf16); wider row
 // pairs (8 vectors per thread) keep v7's kernel.
 constexpr int kHeldWeightsMaxVecs = 4;
 
-template <typename T, int kVecsPerThread, bool kHfRounding, bool kHeldWeights>
-__global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVecsPerThread, kHfRounding, kHeldWeights))
+// v9's weights in shared memory: float4 planes (kElems / 4 of them), each indexed [vector j of the
+// thread][thread], so that a warp reads 32 consecutive float4s.
+constexpr int kFloatsPerPlane = 4;
+template <typename T, int kVecsPerThread>
+struct SharedWeights {
+  static constexpr int kPlanes = Vec<T>::kElems / kFloatsPerPlane;
+  static_assert(Vec<T>::kElems % kFloatsPerPlane == 0, "a vector is whole float4 planes");
+  float4 plane[kPlanes][kVecsPerThread][kLaggedMaxThreads];
+
+  __device__ __forceinline__ void put(int j, const float (&w)[Vec<T>::kElems]) {
+#pragma unroll
+    for (int k = 0; k < kPlanes; ++k) {
+      const int e = k * kFloatsPerPlane;
+      plane[k][j][threadIdx.x] = make_float4(w[e], w[e + 1], w[e + 2], w[e + 3]);
+    }
+  }
+  __device__ __forceinline__ void get(int j, float (&w)[Vec<T>::kElems]) const {
+#pragma unroll
+    for (int k = 0; k < kPlanes; ++k) {
+      const float4 f = plane[k][j][threadIdx.x];
+      const int e = k * kFloatsPerPlane;
+      w[e] = f.x, w[e + 1] = f.y, w[e + 2] = f.z, w[e + 3] = f.w;
+    }
+  }
+};
+static_assert(sizeof(SharedWeights<__nv_bfloat16, kLaggedMaxVecsPerThread>) <= 48 * 1024,
+              "v9's widest weights fit static shared memory");
+
+template <typename T, int kVecsPerThread, bool kHfRounding, WeightSource kWeights>
+__global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVecsPerThread, kHfRounding, kWeights))
     lagged_rows_kernel(FusedParams p) {
+  constexpr bool kHeldWeights = kWeights == WeightSource::kRegisters;
+  constexpr bool kSharedWeights = kWeights == WeightSource::kShared;
   static_assert(!kHeldWeights || kVecsPerThread <= kHeldWeightsMaxVecs, "v8 holds the weights of few vectors");
   constexpr int kElems = Vec<T>::kElems;
   __shared__ float partials[kNumTensors][kMaxRanks];
   __shared__ int ranks_agree;
+  __shared__ std::conditional_t<kSharedWeights, SharedWeights<T, kVecsPerThread>, char> shared_w;  // v9 only
 
   after_prior_grids();
   const uint32_t epoch = read_epoch(p);
@@ -755,17 +803,24 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
   __syncthreads();
   publish_header(p, epoch, parity);
 
-  // v8: this thread's effective weights, the same at every step (its columns do not change).
+  // v8 and v9: this thread's effective weights, the same at every step (its columns do not
+  // change), kept in registers (v8) or in this thread's slots of shared memory (v9).
   float held_w[kHeldWeights ? kVecsPerThread : 1][kElems];
-  if constexpr (kHeldWeights) {
+  if constexpr (kHeldWeights || kSharedWeights) {
     const RowPair<T> first = row_pair<T>(p, blockIdx.x);  // any token: only the weight columns are used
 #pragma unroll
     for (int j = 0; j < kVecsPerThread; ++j) {
       const int c = threadIdx.x + j * blockDim.x;
       if (c < first.vecs) {
         const Row<T> row = first.row(c);
-        effective_weights<T, kHfRounding>(load_raw_weights<T>(row, first.col(c)), row.w_is_fp32, p.shard.weight_offset,
-                                          held_w[j]);
+        const RawWeights<T> raw = load_raw_weights<T>(row, first.col(c));
+        if constexpr (kHeldWeights) {
+          effective_weights<T, kHfRounding>(raw, row.w_is_fp32, p.shard.weight_offset, held_w[j]);
+        } else {
+          float w[kElems];
+          effective_weights<T, kHfRounding>(raw, row.w_is_fp32, p.shard.weight_offset, w);
+          shared_w.put(j, w);  // read back by this thread alone: no barrier
+        }
       }
     }
   }
@@ -822,13 +877,20 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
       }
       const float q_rstd = rstd_from(totals[kQ], p.q_full_width, p.shard.eps);
       const float k_rstd = rstd_from(totals[kK], p.k_full_width, p.shard.eps);
-      if constexpr (kHeldWeights) {
+      if constexpr (kHeldWeights || kSharedWeights) {
 #pragma unroll
         for (int j = 0; j < kVecsPerThread; ++j) {
           const int c = threadIdx.x + j * blockDim.x;
           if (c < done.vecs) {
-            write_normalized<T, kHfRounding>(done.row(c).x + done.col(c), again[j],
-                                             c < done.q_vecs ? q_rstd : k_rstd, held_w[j]);
+            const float rstd = c < done.q_vecs ? q_rstd : k_rstd;
+            T* dst = done.row(c).x + done.col(c);
+            if constexpr (kHeldWeights) {
+              write_normalized<T, kHfRounding>(dst, again[j], rstd, held_w[j]);
+            } else {
+              float w[kElems];
+              shared_w.get(j, w);
+              write_normalized<T, kHfRounding>(dst, again[j], rstd, w);
+            }
           }
         }
       } else {
@@ -949,9 +1011,9 @@ inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
 
 // v7's kernel at kVecsPerThread vectors per thread on a persistent grid of its resident CTAs, if
 // the chunk has at least a token for each; returns whether it launched.
-template <typename T, int kVecsPerThread, bool kHfRounding, bool kHeldWeights>
+template <typename T, int kVecsPerThread, bool kHfRounding, WeightSource kWeights>
 inline bool launch_lagged_rows_fixed(FusedParams p, int vecs, cudaStream_t stream) {
-  constexpr auto kernel = lagged_rows_kernel<T, kVecsPerThread, kHfRounding, kHeldWeights>;
+  constexpr auto kernel = lagged_rows_kernel<T, kVecsPerThread, kHfRounding, kWeights>;
   const int whole_warps = cross_head_norm::v3_threads(vecs, kVecsPerThread);
   const int threads = whole_warps < kLaggedMinThreads ? kLaggedMinThreads : whole_warps;
   const int64_t resident = persistent_grid_limit<kernel>(threads);
@@ -965,16 +1027,23 @@ inline bool launch_lagged_rows_fixed(FusedParams p, int vecs, cudaStream_t strea
 // v7's prefill path for a chunk of 16-byte aligned rows: the fewest vectors per thread that fit
 // the row pair in kLaggedMaxThreads threads (as cross_head_norm v3 sizes its block); false where
 // the row pair is too wide or the chunk too small (v6 runs).
-// v8 (kHeldWeights) the same, its weights held in registers up to kHeldWeightsMaxVecs per thread.
-template <typename T, bool kHfRounding, bool kHeldWeights>
+// v8 (registers) the same, its weights held up to kHeldWeightsMaxVecs per thread; v9 (shared
+// memory) at every width.
+template <typename T, bool kHfRounding, WeightSource kWeights>
 inline bool launch_lagged_rows(const FusedParams& p, cudaStream_t stream) {
   const int vecs = (p.shard.q_hidden + p.shard.k_hidden) / Vec<T>::kElems;
   static_assert(kLaggedMaxVecsPerThread == 8 && kHeldWeightsMaxVecs == 4, "the cases below");
-  if (vecs <= kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 1, kHfRounding, kHeldWeights>(p, vecs, stream);
-  if (vecs <= 2 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 2, kHfRounding, kHeldWeights>(p, vecs, stream);
-  if (vecs <= 4 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 4, kHfRounding, kHeldWeights>(p, vecs, stream);
-  if (vecs <= 8 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 8, kHfRounding, false>(p, vecs, stream);
+  constexpr WeightSource kWide = kWeights == WeightSource::kRegisters ? WeightSource::kReloaded : kWeights;
+  if (vecs <= kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 1, kHfRounding, kWeights>(p, vecs, stream);
+  if (vecs <= 2 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 2, kHfRounding, kWeights>(p, vecs, stream);
+  if (vecs <= 4 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 4, kHfRounding, kWeights>(p, vecs, stream);
+  if (vecs <= 8 * kLaggedMaxThreads) return launch_lagged_rows_fixed<T, 8, kHfRounding, kWide>(p, vecs, stream);
   return false;
+}
+
+// The lagged walk's weight source of each version from v7 on.
+constexpr WeightSource lagged_weights(int version) {
+  return version >= 9 ? WeightSource::kShared : version == 8 ? WeightSource::kRegisters : WeightSource::kReloaded;
 }
 
 // One launch per chunk of at most `capacity` tokens (each chunk is one epoch of the protocol).
@@ -990,8 +1059,8 @@ inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
     chunk.shard.q = static_cast<T*>(call.shard.q) + first * call.shard.q_token_stride;
     chunk.shard.k = static_cast<T*>(call.shard.k) + first * call.shard.k_token_stride;
     chunk.chunk_index = chunk_index++;
-    if (kVersion >= 7 && packed && launch_lagged_rows<T, kHfRounding, (kVersion >= 8)>(chunk, stream)) {
-      // v7's (or v8's) kernel took the chunk
+    if (kVersion >= 7 && packed && launch_lagged_rows<T, kHfRounding, lagged_weights(kVersion)>(chunk, stream)) {
+      // v7's (v8's, v9's) kernel took the chunk
     } else if (packed) {
       launch_fused_packs<kVersion, T, Vec<T>::kElems, kHfRounding>(chunk, stream);
     } else {
@@ -1028,7 +1097,7 @@ inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cu
   });
 }
 
-constexpr int kNumVersions = 8;
+constexpr int kNumVersions = 9;
 
 // The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
 inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
@@ -1047,8 +1116,10 @@ inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, in
       hf_rounding ? launch_fused<6, T, true>(p, stream) : launch_fused<6, T, false>(p, stream);
     } else if (version == 7) {
       hf_rounding ? launch_fused<7, T, true>(p, stream) : launch_fused<7, T, false>(p, stream);
-    } else {
+    } else if (version == 8) {
       hf_rounding ? launch_fused<8, T, true>(p, stream) : launch_fused<8, T, false>(p, stream);
+    } else {
+      hf_rounding ? launch_fused<9, T, true>(p, stream) : launch_fused<9, T, false>(p, stream);
     }
   });
 }

@@ -61,7 +61,7 @@ def check_agreement(rank, world, small):
                                                      (300, 1040, 272), (200, 1040, 272), (2, 16384, 1024),
                                                      (2, 32768, 1024), (4000, 6144, 1024), (9000, 512, 256)]
     # 200: two tokens per CTA; 32768: unstaged in fp32; 4000 and 9000 (a chunk of 8192 and one of
-    # 808): cuda_v7's and cuda_v8's lagged kernel where a chunk has a token per resident CTA
+    # 808): cuda_v7's to cuda_v9's lagged kernel where a chunk has a token per resident CTA
     impls = registry.implementations(tp.OP)
     if small:
         impls = [registry.latest(tp.OP, "cuda")]
@@ -112,16 +112,18 @@ def replay_and_check(label, graph, shards, fulls, rank, world, replays=2):
 
 
 def check_lagged_dispatch(rank, world):
-    """cuda_v7 and cuda_v8 run their lagged persistent kernel on chunks with at least a token per
-    resident CTA (about 660-924 at the MiniMax shard on a 132-SM GPU) and v6's kernels on smaller
-    ones; calls of both kinds back to back stay correct."""
-    for name in ("cuda_v7", "cuda_v8"):
+    """cuda_v7, cuda_v8 and cuda_v9 run their lagged persistent kernel on chunks with at least a
+    token per resident CTA (about 660-924 at the MiniMax shard on a 132-SM GPU) and v6's kernels on
+    smaller ones; calls of both kinds back to back stay correct."""
+    for name in ("cuda_v7", "cuda_v8", "cuda_v9"):
         impl = registry.get(tp.OP, name)
         # 1500: some CTAs have one token, fewer than the lag (steps that neither sum nor finish);
-        # 3000 x 2048/512: 2 vectors per thread at TP=2 in bf16 (v8's held weights there)
+        # 3000 x 2048/512: 2 vectors per thread at TP=2 in bf16 (v8's held weights there);
+        # 2000 x 12288/2048: 8 vectors per thread at TP=2 (v9's shared weights, v7's kernel in v8)
         for t, q_width, k_width, expect in ((4000, 6144, 1024, {True}), (512, 6144, 1024, {False}),
                                             (1500, 6144, 1024, {True}), (9000, 512, 256, {True, False}),
-                                            (3000, 2048, 512, {True}), (4000, 6144, 1024, {True})):
+                                            (3000, 2048, 512, {True}), (2000, 12288, 2048, {True}),
+                                            (4000, 6144, 1024, {True})):
             full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=40 + t)
             shard = tp.shard_of(full, rank, world)
             names = kernels_run(lambda: run(impl.fn, shard))
@@ -169,7 +171,7 @@ def check_graph(rank, world):
 
 
 def check_zero_rows(rank, world):
-    for t, q_width, k_width in ((64, 512, 128), (4000, 6144, 1024)):  # 4000: the lagged prefill kernel (v7, v8)
+    for t, q_width, k_width in ((64, 512, 128), (4000, 6144, 1024)):  # 4000: the lagged prefill kernel (v7-v9)
         full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=5, kind="zero_rows")
         for impl in registry.implementations(tp.OP):
             shard = tp.shard_of(full, rank, world)

@@ -33,6 +33,7 @@ VECTORS_PER_THREAD_OPS = {"cross_head_norm"}
 
 # Ops whose kernels are not named <op>_vN_kernel: version -> the bf16 fused-rounding kernels it
 # launches (16-byte packs, staged in shared memory where that is a template argument).
+WEIGHT_SOURCE = "(cookbook::tp_qk_norm::WeightSource)"  # how the demangler writes the enum argument
 NAMED_KERNELS = {
     "tp_qk_norm": {
         1: ("sum_sq_kernel<__nv_bfloat16>", "apply_kernel<__nv_bfloat16, false>"),
@@ -42,9 +43,10 @@ NAMED_KERNELS = {
         5: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, false>", "fused_kernel<__nv_bfloat16, 8, true, false, true, false>"),
         6: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, true>", "fused_kernel<__nv_bfloat16, 8, true, false, true, true>"),
         # v7: its prefill kernel at 4 vectors per thread (the MiniMax shard at TP=2); smaller calls run v6's
-        7: ("lagged_rows_kernel<__nv_bfloat16, 4, false, false>",),
-        # v8: the same walk with the weights held in registers
-        8: ("lagged_rows_kernel<__nv_bfloat16, 4, false, true>",),
+        7: (f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}0>",),
+        # v8: the same walk with the weights held in registers; v9: in shared memory
+        8: (f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}1>",),
+        9: (f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}2>",),
     },
 }
 
