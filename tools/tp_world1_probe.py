@@ -9,8 +9,8 @@ after a check against the float64 reference) beside the same shard's single-GPU
 `cross_head_norm` (`local`). With --ncu, each fused version instead runs once under Nsight
 Compute at the first shape, and the table is cookbook.ncu's (issue slots busy, occupancy, stalls).
 
-    python tools/tp_world1_probe.py --shapes 16384x3072x512,16384x768x128 --impls local,cuda_v7,cuda_v8
-    python tools/tp_world1_probe.py --ncu --impls local,cuda_v7,cuda_v8
+    python tools/tp_world1_probe.py --shapes 16384x3072x512,16384x768x128 --impls local,cuda_v7,cuda_v8,cuda_v9
+    python tools/tp_world1_probe.py --ncu --impls local,cuda_v7,cuda_v8,cuda_v9
 """
 import argparse
 import os
@@ -99,7 +99,7 @@ def ncu_rows(shape_text: str, names) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="TxQxK shard shapes, comma-separated")
-    parser.add_argument("--impls", default="local,cuda_v7,cuda_v8", help=f"rows: tp_qk_norm implementations, {LOCAL!r}")
+    parser.add_argument("--impls", default="local,cuda_v7,cuda_v8,cuda_v9", help=f"rows: tp_qk_norm implementations, {LOCAL!r}")
     parser.add_argument("--rounds", type=int, default=2, help="times each shape's rows run, alternating")
     parser.add_argument("--ncu", action="store_true", help="profile each row once under ncu at the first shape")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
