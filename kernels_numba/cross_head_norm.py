@@ -25,7 +25,10 @@ import functools
 import numpy as np
 from numba import cuda
 
-from kernels_numba.helpers import CODEC_OF, MAX_THREADS_PER_BLOCK, WARP_SIZE, block_sum, launch, rstd_from
+import torch
+
+from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE, WORDS_PER_LANE, bf16_round_to,
+                                   bf16x2_decode, bf16x2_encode, block_sum, has_word_view, launch, rstd_from)
 
 MAX_THREADS = 256  # threads per block for wide rows
 MIN_ELEMS_PER_THREAD = 4  # narrow rows get fewer threads, each with at least this many elements
@@ -117,3 +120,119 @@ def cross_head_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding):
     blocks = (tokens, NUM_TENSORS)
     scalars = (np.float32(eps), np.float32(weight_offset), rounding == "hf")
     launch(kernel, blocks, threads, (q, k, q_weight, k_weight), scalars)
+
+
+# --------------------------------------------------------------------------------------------
+# v2: bf16 rows as 32-bit words
+# --------------------------------------------------------------------------------------------
+# v1 moves one 2-byte element per load and per store, with the rounding order a runtime branch
+# per element and signed 64-bit indices (each with Numba's negative-index wraparound). v2 views a
+# bf16 row as int32 words (word u holds columns 2u and 2u + 1, as the Numba v3 kernels of qk_norm
+# and qk_norm_rope do), so one load and one store move two columns; the rounding order and the
+# weights' storage are fixed when the kernel is built, and indices are unsigned. The algorithm is
+# v1's: a block per (token, tensor), threads striding over the row's words, two passes (the
+# second re-reads the row, from L1 or L2).
+@functools.cache
+def make_row_sum_sq_words():
+    """Device function: this thread's share of sum(x^2) over bf16 word row x[t, :] (pass 1)."""
+
+    @cuda.jit(device=True)
+    def row_sum_sq_words(x, t):
+        sum_sq = np.float32(0.0)
+        for u in range(np.uint32(cuda.threadIdx.x), np.uint32(x.shape[1]), np.uint32(cuda.blockDim.x)):
+            lo, hi = bf16x2_decode(x[t, u])
+            sum_sq += lo * lo + hi * hi
+        return sum_sq
+
+    return row_sum_sq_words
+
+
+@functools.cache
+def make_write_row_words(weight, hf):
+    """Device function: this thread's words of bf16 word row x[t, :], normalized and scaled, in
+    place (pass 2); `weight` is the weight's `Table` (bf16 words or float32), `hf` the rounding order."""
+    load_w = weight.pair
+    round_to = bf16_round_to
+
+    @cuda.jit(device=True)
+    def normed(v, w, rstd, weight_offset):
+        """x * rstd * (w + weight_offset): rounded once by the store (fused) or in the HF order."""
+        if hf:
+            return round_to(v * rstd) * round_to(w + weight_offset)
+        return v * rstd * (w + weight_offset)
+
+    @cuda.jit(device=True)
+    def write_row_words(x, w, t, rstd, weight_offset):
+        for u in range(np.uint32(cuda.threadIdx.x), np.uint32(x.shape[1]), np.uint32(cuda.blockDim.x)):
+            lo, hi = bf16x2_decode(x[t, u])
+            w_lo, w_hi = load_w(w, u)
+            x[t, u] = bf16x2_encode(normed(lo, w_lo, rstd, weight_offset), normed(hi, w_hi, rstd, weight_offset))
+
+    return write_row_words
+
+
+@functools.cache
+def make_cross_head_norm_kernel_v2(weight, hf):
+    """v2: v1's kernel on bf16 rows viewed as int32 words `[T, hidden / 2]`, built per weight
+    storage (`Table`) and rounding order."""
+    row_sum_sq = make_row_sum_sq_words()
+    write_row = make_write_row_words(weight, hf)
+
+    @cuda.jit
+    def cross_head_norm_kernel_v2(q, k, q_w, k_w, eps, weight_offset):
+        t = np.uint32(cuda.blockIdx.x)
+        is_q = cuda.blockIdx.y == 0  # uniform over the block
+        # Every thread reaches block_sum (it holds barriers): no early return.
+        if is_q:
+            sum_sq = row_sum_sq(q, t)
+            hidden = q.shape[1] * 2
+        else:
+            sum_sq = row_sum_sq(k, t)
+            hidden = k.shape[1] * 2
+        rstd = rstd_from(block_sum(sum_sq), np.float32(hidden), eps)
+        if is_q:
+            write_row(q, q_w, t, rstd, weight_offset)
+        else:
+            write_row(k, k_w, t, rstd, weight_offset)
+
+    return cross_head_norm_kernel_v2
+
+
+def threads_for_words(words: int) -> int:
+    """Whole warps, at least WORDS_PER_LANE words (16 bytes) each, at most MAX_THREADS."""
+    warps = -(-words // (WORDS_PER_LANE * WARP_SIZE))
+    return min(MAX_THREADS, warps * WARP_SIZE)
+
+
+def word_views(*tensors):
+    """int32 word views of the bf16 tensors among `tensors` (others as they are), or None where
+    the word path cannot apply: activations not bf16, or a bf16 tensor with no int32 view (an odd
+    storage offset or token stride, e.g. a fused-qkv view starting at an odd column)."""
+    if tensors[0].dtype != torch.bfloat16 or not all(has_word_view(t) for t in tensors if t.dtype == torch.bfloat16):
+        return None
+    return [t.view(torch.int32) if t.dtype == torch.bfloat16 else t for t in tensors]
+
+
+def same_weight_storage(q_weight, k_weight):
+    """One weight in the activation dtype and one in float32 (rare): both as float32, so that one
+    kernel build reads both."""
+    if q_weight.dtype != k_weight.dtype:
+        return q_weight.float(), k_weight.float()
+    return q_weight, k_weight
+
+
+def cross_head_norm_v2(q, k, q_weight, k_weight, eps, weight_offset, rounding):
+    """v2, in place on checked `[T, hidden]` tensors (one dtype and device); returns nothing.
+    Runs v1 where the word path cannot apply (`word_views`)."""
+    q_weight, k_weight = same_weight_storage(q_weight, k_weight)
+    words = word_views(q, k, q_weight, k_weight)
+    if words is None:
+        cross_head_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding)
+        return
+    tokens = q.shape[0]
+    if tokens == 0:
+        return
+    kernel = make_cross_head_norm_kernel_v2(TABLE_OF[q_weight.dtype], rounding == "hf")
+    threads = threads_for_words(max(words[0].shape[1], words[1].shape[1]))
+    launch(kernel, (tokens, NUM_TENSORS), threads, words, (np.float32(eps), np.float32(weight_offset)))
+

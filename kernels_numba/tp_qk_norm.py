@@ -12,6 +12,11 @@ The row arithmetic (`row_sum_sq`, `write_row`, `rstd_from`) is cross_head_norm's
 a cross-head row cut into tp pieces, and only the width in the mean is the full one. The shard
 is read twice (steps 1 and 3: the second read usually misses L2 at prefill sizes) and there are
 three launches per call; the CUDA C versions remove both.
+
+v2 (`tp_qk_norm_v2`) runs the same pipeline on bf16 shards read and written as 32-bit words, with
+cross_head_norm's Numba v2 row functions (two columns per load and store, the rounding order and
+the weights' storage fixed at build time, unsigned indices); other dtypes, and bf16 views with no
+int32 view, run v1.
 """
 
 from kernels_numba import _compat  # noqa: F401  (before Numba compiles anything)
@@ -22,8 +27,10 @@ import numpy as np
 import torch
 from numba import cuda
 
-from kernels_numba.cross_head_norm import NUM_TENSORS, make_row_sum_sq, make_write_row, threads_for
-from kernels_numba.helpers import CODEC_OF, block_sum, launch, rstd_from
+from kernels_numba.cross_head_norm import (NUM_TENSORS, make_row_sum_sq, make_row_sum_sq_words, make_write_row,
+                                           make_write_row_words, same_weight_storage, threads_for, threads_for_words,
+                                           word_views)
+from kernels_numba.helpers import CODEC_OF, TABLE_OF, block_sum, launch, rstd_from
 
 
 @functools.cache
@@ -79,3 +86,65 @@ def tp_qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, group):
         scalars = (np.float32(q.shape[1] * tp), np.float32(k.shape[1] * tp), np.float32(eps),
                    np.float32(weight_offset), rounding == "hf")
         launch(kernel, blocks, threads, (q, k, q_weight, k_weight, sum_sq), scalars)
+
+
+# --------------------------------------------------------------------------------------------
+# v2: the pipeline on bf16 words
+# --------------------------------------------------------------------------------------------
+@functools.cache
+def make_sum_sq_kernel_v2():
+    row_sum_sq = make_row_sum_sq_words()
+
+    @cuda.jit
+    def sum_sq_kernel_v2(sum_sq, q, k):
+        t = np.uint32(cuda.blockIdx.x)
+        tensor = cuda.blockIdx.y
+        if tensor == 0:  # every thread reaches block_sum: no early return
+            partial = row_sum_sq(q, t)
+        else:
+            partial = row_sum_sq(k, t)
+        partial = block_sum(partial)
+        if cuda.threadIdx.x == 0:
+            sum_sq[t, tensor] = partial
+
+    return sum_sq_kernel_v2
+
+
+@functools.cache
+def make_apply_kernel_v2(weight, hf):
+    write_row = make_write_row_words(weight, hf)
+
+    @cuda.jit
+    def apply_kernel_v2(q, k, q_w, k_w, sum_sq, q_full_width, k_full_width, eps, weight_offset):
+        t = np.uint32(cuda.blockIdx.x)
+        if cuda.blockIdx.y == 0:
+            write_row(q, q_w, t, rstd_from(sum_sq[t, 0], q_full_width, eps), weight_offset)
+        else:
+            write_row(k, k_w, t, rstd_from(sum_sq[t, 1], k_full_width, eps), weight_offset)
+
+    return apply_kernel_v2
+
+
+def tp_qk_norm_v2(q, k, q_weight, k_weight, eps, weight_offset, rounding, group):
+    """v2: v1's pipeline on int32 word views of bf16 shards; v1 where they have none (`word_views`)."""
+    from cookbook.ops.tp_qk_norm import all_reduce_sum, world_of
+
+    q_weight, k_weight = same_weight_storage(q_weight, k_weight)
+    words = word_views(q, k, q_weight, k_weight)
+    if words is None:
+        tp_qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, group)
+        return
+    q_words, k_words, q_w, k_w = words
+    tokens = q.shape[0]
+    tp = world_of(group)[1]
+    sum_sq = torch.zeros((tokens, NUM_TENSORS), dtype=torch.float32, device=q.device)
+    blocks = (tokens, NUM_TENSORS)
+    threads = threads_for_words(max(q_words.shape[1], k_words.shape[1]))
+    if tokens:
+        launch(make_sum_sq_kernel_v2(), blocks, threads, (sum_sq, q_words, k_words), (), outputs=1)
+    all_reduce_sum(sum_sq, group)  # every rank takes part, even with no tokens
+    if tokens:
+        kernel = make_apply_kernel_v2(TABLE_OF[q_weight.dtype], rounding == "hf")
+        scalars = (np.float32(q.shape[1] * tp), np.float32(k.shape[1] * tp), np.float32(eps), np.float32(weight_offset))
+        launch(kernel, blocks, threads, (q_words, k_words, q_w, k_w, sum_sq), scalars)
+

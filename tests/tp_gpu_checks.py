@@ -56,7 +56,7 @@ def run(fn, shard, **options):
     fn(*args_of(shard, **options))
 
 
-def check_agreement(rank, world, small):
+def check_agreement(rank, world, small, only_impls=None):
     shapes = [(3, 64, 32), (0, 64, 32)] if small else [(1, 6144, 1024), (5, 64, 32), (129, 4096, 512), (0, 64, 32),
                                                      (300, 1040, 272), (200, 1040, 272), (2, 16384, 1024),
                                                      (2, 32768, 1024), (4000, 6144, 1024), (9000, 512, 256)]
@@ -65,6 +65,8 @@ def check_agreement(rank, world, small):
     impls = registry.implementations(tp.OP)
     if small:
         impls = [registry.latest(tp.OP, "cuda")]
+    if only_impls:
+        impls = [registry.get(tp.OP, name) for name in only_impls]
     for t, q_width, k_width in shapes:
         for dtype in DTYPES if not small else (torch.bfloat16,):
             for rounding in ("fused", "hf"):
@@ -303,6 +305,7 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="one tiny case (for compute-sanitizer)")
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--only", default=None, help="run only the checks with these names, comma-separated (e.g. check_compile)")
+    parser.add_argument("--impls", default=None, help="check_agreement: only these implementations, comma-separated")
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
@@ -317,7 +320,7 @@ def main() -> int:
     for check in checks:
         start = time.perf_counter()
         try:
-            check(rank, world, args.small) if check is check_agreement else \
+            check(rank, world, args.small, args.impls and args.impls.split(",")) if check is check_agreement else \
                 check(rank, world, args.calls) if check is check_reuse else check(rank, world)
             torch.cuda.synchronize()
         except Exception:  # noqa: BLE001 - report it and go on with the next check
