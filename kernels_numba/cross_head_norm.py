@@ -27,8 +27,8 @@ from numba import cuda
 
 import torch
 
-from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE, WORDS_PER_LANE, bf16_round_to,
-                                   bf16x2_decode, bf16x2_encode, block_sum, has_word_view, launch, rstd_from)
+from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE, WORDS_PER_LANE, bf16x2_decode,
+                                   bf16x2_encode, block_sum, has_word_view, launch, make_word_normed, rstd_from)
 
 MAX_THREADS = 256  # threads per block for wide rows
 MIN_ELEMS_PER_THREAD = 4  # narrow rows get fewer threads, each with at least this many elements
@@ -138,9 +138,10 @@ def make_row_sum_sq_words():
 
     @cuda.jit(device=True)
     def row_sum_sq_words(x, t):
+        row = np.uint32(t)  # unsigned indices: no negative-index wraparound per access
         sum_sq = np.float32(0.0)
         for u in range(np.uint32(cuda.threadIdx.x), np.uint32(x.shape[1]), np.uint32(cuda.blockDim.x)):
-            lo, hi = bf16x2_decode(x[t, u])
+            lo, hi = bf16x2_decode(x[row, u])
             sum_sq += lo * lo + hi * hi
         return sum_sq
 
@@ -152,21 +153,15 @@ def make_write_row_words(weight, hf):
     """Device function: this thread's words of bf16 word row x[t, :], normalized and scaled, in
     place (pass 2); `weight` is the weight's `Table` (bf16 words or float32), `hf` the rounding order."""
     load_w = weight.pair
-    round_to = bf16_round_to
-
-    @cuda.jit(device=True)
-    def normed(v, w, rstd, weight_offset):
-        """x * rstd * (w + weight_offset): rounded once by the store (fused) or in the HF order."""
-        if hf:
-            return round_to(v * rstd) * round_to(w + weight_offset)
-        return v * rstd * (w + weight_offset)
+    normed = make_word_normed(hf)
 
     @cuda.jit(device=True)
     def write_row_words(x, w, t, rstd, weight_offset):
+        row = np.uint32(t)
         for u in range(np.uint32(cuda.threadIdx.x), np.uint32(x.shape[1]), np.uint32(cuda.blockDim.x)):
-            lo, hi = bf16x2_decode(x[t, u])
+            lo, hi = bf16x2_decode(x[row, u])
             w_lo, w_hi = load_w(w, u)
-            x[t, u] = bf16x2_encode(normed(lo, w_lo, rstd, weight_offset), normed(hi, w_hi, rstd, weight_offset))
+            x[row, u] = bf16x2_encode(normed(lo, w_lo, rstd, weight_offset), normed(hi, w_hi, rstd, weight_offset))
 
     return write_row_words
 

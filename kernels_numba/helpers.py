@@ -13,6 +13,7 @@ simulator (`NUMBA_ENABLE_CUDASIM=1`, see `kernels_numba.SIMULATOR`). Kernels jus
 
 from kernels_numba import _compat  # noqa: F401  (before Numba compiles anything)
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -474,6 +475,22 @@ def bf16_round_to(v):
     lo = 0 the word is the rounded value's float32 bits, so a GPU from sm_80 on needs one
     conversion instruction where the integer rounding needs a dozen."""
     return bits_float(bf16x2_encode(np.float32(0.0), v))
+
+
+@functools.cache
+def make_word_normed(hf):
+    """Device function normed(v, w, rstd, weight_offset) of the bf16 word kernels: x * rstd *
+    (w + weight_offset) in float32, for the store's bf16x2_encode to round once (`hf` False), or
+    in the Hugging Face order (`hf` True: the normalized value and the weight each rounded to
+    bf16 first). `hf` is fixed when the kernel is built, so a kernel holds one straight path."""
+
+    @cuda.jit(device=True)
+    def normed(v, w, rstd, weight_offset):
+        if hf:
+            return bf16_round_to(v * rstd) * bf16_round_to(w + weight_offset)
+        return v * rstd * (w + weight_offset)
+
+    return normed
 
 
 # --------------------------------------------------------------------------------------------

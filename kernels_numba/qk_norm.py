@@ -29,8 +29,8 @@ from numba import cuda
 
 import torch
 
-from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE, bf16_round_to, bf16x2_decode,
-                                   bf16x2_encode, contiguous_row, has_word_view, lane_group_sum, launch, row_lanes,
+from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE, bf16x2_decode, bf16x2_encode,
+                                   contiguous_row, has_word_view, lane_group_sum, launch, make_word_normed, row_lanes,
                                    rstd_from, rstd_from_mean, warp_row, warp_sum)
 
 WARPS_PER_BLOCK = 4  # rows per block
@@ -164,14 +164,7 @@ def make_qk_norm_kernel_v3(weight, hf, head_dim):
     assert ROW_LANES is not None, f"v3 needs a head_dim of whole 16-byte lane slices that tile a warp, not {head_dim}"
     WORD_SLOTS = head_dim // (2 * ROW_LANES)
     load_w = weight.pair
-    round_to = bf16_round_to
-
-    @cuda.jit(device=True)
-    def normed(v, w, rstd, weight_offset):
-        """x * rstd * (w + weight_offset): rounded once by the store (fused) or in the HF order."""
-        if hf:
-            return round_to(v * rstd) * round_to(w + weight_offset)
-        return v * rstd * (w + weight_offset)
+    normed = make_word_normed(hf)  # x * rstd * (w + weight_offset): rounded by the store, or in the HF order
 
     @cuda.jit
     def qk_norm_kernel_v3(q, k, q_w, k_w, eps, weight_offset, inv_head_dim):

@@ -34,8 +34,9 @@ from kernels_numba.helpers import CODEC_OF, TABLE_OF, block_sum, launch, rstd_fr
 
 
 @functools.cache
-def make_sum_sq_kernel(act):
-    row_sum_sq = make_row_sum_sq(act)
+def make_sum_sq_kernel_over(row_sum_sq):
+    """Step 1 over a row function: `make_row_sum_sq(act)`'s elements (v1) or
+    `make_row_sum_sq_words()`'s bf16 words (v2)."""
 
     @cuda.jit
     def sum_sq_kernel(sum_sq, q, k):
@@ -51,6 +52,10 @@ def make_sum_sq_kernel(act):
             sum_sq[t, tensor] = partial
 
     return sum_sq_kernel
+
+
+def make_sum_sq_kernel(act):
+    return make_sum_sq_kernel_over(make_row_sum_sq(act))
 
 
 @functools.cache
@@ -92,25 +97,6 @@ def tp_qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, group):
 # v2: the pipeline on bf16 words
 # --------------------------------------------------------------------------------------------
 @functools.cache
-def make_sum_sq_kernel_v2():
-    row_sum_sq = make_row_sum_sq_words()
-
-    @cuda.jit
-    def sum_sq_kernel_v2(sum_sq, q, k):
-        t = np.uint32(cuda.blockIdx.x)
-        tensor = cuda.blockIdx.y
-        if tensor == 0:  # every thread reaches block_sum: no early return
-            partial = row_sum_sq(q, t)
-        else:
-            partial = row_sum_sq(k, t)
-        partial = block_sum(partial)
-        if cuda.threadIdx.x == 0:
-            sum_sq[t, tensor] = partial
-
-    return sum_sq_kernel_v2
-
-
-@functools.cache
 def make_apply_kernel_v2(weight, hf):
     write_row = make_write_row_words(weight, hf)
 
@@ -141,7 +127,7 @@ def tp_qk_norm_v2(q, k, q_weight, k_weight, eps, weight_offset, rounding, group)
     blocks = (tokens, NUM_TENSORS)
     threads = threads_for_words(max(q_words.shape[1], k_words.shape[1]))
     if tokens:
-        launch(make_sum_sq_kernel_v2(), blocks, threads, (sum_sq, q_words, k_words), (), outputs=1)
+        launch(make_sum_sq_kernel_over(make_row_sum_sq_words()), blocks, threads, (sum_sq, q_words, k_words), (), outputs=1)
     all_reduce_sum(sum_sq, group)  # every rank takes part, even with no tokens
     if tokens:
         kernel = make_apply_kernel_v2(TABLE_OF[q_weight.dtype], rounding == "hf")
