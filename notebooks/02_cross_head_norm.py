@@ -201,6 +201,17 @@ print(inspect.getsource(numba_cross_head_norm.make_cross_head_norm_kernel))
 print(inspect.getsource(numba_cross_head_norm.threads_for))
 
 # %% [markdown]
+# v1 moves one 2-byte element per load and per store. **numba_v2** keeps the kernel's shape and
+# moves bf16 two columns at a time: the row is viewed as int32 words, `bf16x2_decode` splits a
+# word into two float32 (a bf16 is the top half of a float32, so this is two shifts and masks)
+# and `bf16x2_encode` rounds two results into one word (one `cvt.rn.bf16x2.f32` on a GPU). The
+# rounding order is fixed when the kernel is built, so no branch runs per element. Its second
+# pass, from the source:
+
+# %%
+print(inspect.getsource(numba_cross_head_norm.make_write_row_words))
+
+# %% [markdown]
 # ## 6. The CUDA C versions, and the flaw each one fixes
 #
 # The kernels live in the torch-free header `kernels_cuda/cross_head_norm.cuh`. The registry is

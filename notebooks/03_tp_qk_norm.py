@@ -322,9 +322,10 @@ for n in ("q", "k"):
 # ## 6. The implementations
 #
 # The registry is the list; each lead says what changed and which bottleneck it removes. The
-# reference and the Numba pipeline take any `torch.distributed` group (gloo on CPUs, NCCL on
-# GPUs); `cuda_v1` is the same three steps as CUDA C kernels around an NCCL all-reduce; `cuda_v2`
-# is one kernel per call that exchanges the sums itself. `all_gather` is the naive baseline.
+# reference and the Numba pipelines (v1, and v2 on bf16 rows read as 32-bit words) take any
+# `torch.distributed` group (gloo on CPUs, NCCL on GPUs); `cuda_v1` is the same three steps as
+# CUDA C kernels around an NCCL all-reduce; `cuda_v2` is one kernel per call that exchanges the
+# sums itself. `all_gather` is the naive baseline.
 
 # %%
 for impl in registry.implementations(OP):
