@@ -31,10 +31,9 @@ import functools
 import numpy as np
 from numba import cuda
 
-import torch
-
 from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE, WORDS_PER_LANE, bf16x2_decode,
-                                   bf16x2_encode, block_sum, has_word_view, launch, make_word_normed, rstd_from)
+                                   bf16x2_encode, block_sum, launch, make_word_normed, rstd_from, same_weight_storage,
+                                   word_views)
 
 MAX_THREADS = 256  # threads per block for wide rows
 MIN_ELEMS_PER_THREAD = 4  # narrow rows get fewer threads, each with at least this many elements
@@ -203,23 +202,6 @@ def threads_for_words(words: int) -> int:
     """Whole warps, at least WORDS_PER_LANE words (16 bytes) each, at most MAX_THREADS."""
     warps = -(-words // (WORDS_PER_LANE * WARP_SIZE))
     return min(MAX_THREADS, warps * WARP_SIZE)
-
-
-def word_views(*tensors):
-    """int32 word views of the bf16 tensors among `tensors` (others as they are), or None where
-    the word path cannot apply: activations not bf16, or a bf16 tensor with no int32 view (an odd
-    storage offset or token stride, e.g. a fused-qkv view starting at an odd column)."""
-    if tensors[0].dtype != torch.bfloat16 or not all(has_word_view(t) for t in tensors if t.dtype == torch.bfloat16):
-        return None
-    return [t.view(torch.int32) if t.dtype == torch.bfloat16 else t for t in tensors]
-
-
-def same_weight_storage(q_weight, k_weight):
-    """One weight in the activation dtype and one in float32 (rare): both as float32, so that one
-    kernel build reads both."""
-    if q_weight.dtype != k_weight.dtype:
-        return q_weight.float(), k_weight.float()
-    return q_weight, k_weight
 
 
 def cross_head_norm_v2(q, k, q_weight, k_weight, eps, weight_offset, rounding):

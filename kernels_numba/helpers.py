@@ -546,6 +546,24 @@ def has_word_view(t):
     return t.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in t.stride()[:-1])
 
 
+def word_views(*tensors):
+    """int32 word views of the bf16 tensors among `tensors` (others as they are, e.g. float32
+    weights), or None where a word kernel cannot take them: activations (`tensors[0]`) not bf16,
+    or a bf16 tensor with no int32 view (`has_word_view`: an odd storage offset or stride, e.g. a
+    fused-qkv view starting at an odd column)."""
+    if tensors[0].dtype != torch.bfloat16 or not all(has_word_view(t) for t in tensors if t.dtype == torch.bfloat16):
+        return None
+    return [t.view(torch.int32) if t.dtype == torch.bfloat16 else t for t in tensors]
+
+
+def same_weight_storage(q_weight, k_weight):
+    """One weight in the activation dtype and one in float32 (rare): both as float32, so that one
+    kernel build reads both."""
+    if q_weight.dtype != k_weight.dtype:
+        return q_weight.float(), k_weight.float()
+    return q_weight, k_weight
+
+
 # --------------------------------------------------------------------------------------------
 # Launching on torch tensors
 # --------------------------------------------------------------------------------------------

@@ -27,11 +27,9 @@ import functools
 import numpy as np
 from numba import cuda
 
-import torch
-
 from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE, bf16x2_decode, bf16x2_encode,
-                                   contiguous_row, has_word_view, lane_group_sum, launch, make_word_normed, row_lanes,
-                                   rstd_from, rstd_from_mean, warp_row, warp_sum)
+                                   contiguous_row, lane_group_sum, launch, make_word_normed, row_lanes, rstd_from,
+                                   rstd_from_mean, same_weight_storage, warp_row, warp_sum, word_views)
 
 WARPS_PER_BLOCK = 4  # rows per block
 THREADS = WARP_SIZE * WARPS_PER_BLOCK
@@ -206,11 +204,10 @@ def qk_norm_v3(q, k, q_weight, k_weight, eps, weight_offset, rounding):
     Runs v2 instead where the word path cannot apply: activations not bf16, a head_dim whose
     16-byte lane slices do not tile a warp (`v3_row_lanes`), or a bf16 q, k or weight with no
     int32 view (an odd storage offset or stride, e.g. a fused-qkv view at an odd column)."""
-    if q_weight.dtype != k_weight.dtype:  # one in the activation dtype, one float32: rare
-        q_weight, k_weight = q_weight.float(), k_weight.float()
+    q_weight, k_weight = same_weight_storage(q_weight, k_weight)
     head_dim = q.shape[2]
-    bf16 = [t for t in (q, k, q_weight, k_weight) if t.dtype == torch.bfloat16]
-    if q.dtype != torch.bfloat16 or v3_row_lanes(head_dim) is None or not all(has_word_view(t) for t in bf16):
+    words = word_views(q, k, q_weight, k_weight)
+    if words is None or v3_row_lanes(head_dim) is None:
         qk_norm_v2(q, k, q_weight, k_weight, eps, weight_offset, rounding)
         return
     tokens, heads = q.shape[0], q.shape[1] + k.shape[1]
@@ -221,7 +218,6 @@ def qk_norm_v3(q, k, q_weight, k_weight, eps, weight_offset, rounding):
     # THREADS per block, fewer where a token has fewer heads (a tiny launch keeps its block small)
     threads = min(THREADS, -(-heads * lanes // WARP_SIZE) * WARP_SIZE)
     head_groups = -(-heads // (threads // lanes))
-    words = [t.view(torch.int32) if t.dtype == torch.bfloat16 else t for t in (q, k, q_weight, k_weight)]
     scalars = (np.float32(eps), np.float32(weight_offset), np.float32(1.0 / head_dim))
     launch(kernel, (tokens, head_groups), threads, words, scalars)
 
@@ -243,8 +239,7 @@ def _launch(factory, specialization, q, k, q_weight, k_weight, eps, weight_offse
     rows = q.shape[0] * (q.shape[1] + k.shape[1])
     if rows == 0:
         return
-    if q_weight.dtype != k_weight.dtype:  # one in the activation dtype, one float32: rare
-        q_weight, k_weight = q_weight.float(), k_weight.float()
+    q_weight, k_weight = same_weight_storage(q_weight, k_weight)
     kernel = factory(CODEC_OF[q.dtype], CODEC_OF[q_weight.dtype], *specialization)
     warps = min(WARPS_PER_BLOCK, rows)  # a tiny launch keeps its block small (and the simulator quick)
     blocks = -(-rows // warps)

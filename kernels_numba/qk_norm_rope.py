@@ -35,14 +35,13 @@ import functools
 import math
 
 import numpy as np
-import torch
 from numba import cuda
 
 # FLOAT_TABLE and WORD_TABLE are re-exported for tools/numba_ptx.py.
 from kernels_numba.helpers import (CODEC_OF, FLOAT_TABLE, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE,  # noqa: F401
                                    WORD_TABLE, bf16_round_to, bf16x2_decode, bf16x2_encode, contiguous_row,
-                                   has_word_view, lane_group_sum, launch, row_lanes, rstd_from, rstd_from_mean,
-                                   warp_row, warp_shfl, warp_sum)
+                                   lane_group_sum, launch, row_lanes, rstd_from, rstd_from_mean, same_weight_storage,
+                                   warp_row, warp_shfl, warp_sum, word_views)
 
 WARPS_PER_BLOCK = 4  # rows per block
 THREADS = WARP_SIZE * WARPS_PER_BLOCK
@@ -425,10 +424,9 @@ def qk_norm_rope_v3(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, wei
     not a multiple of 4 (a word would hold one rotated and one partnerless column); or a bf16
     q, k, weight or cache that has no int32 view (an odd storage offset or token/head stride,
     e.g. a fused-qkv view starting at an odd column)."""
-    if q_weight.dtype != k_weight.dtype:  # one in the activation dtype, one float32: rare
-        q_weight, k_weight = q_weight.float(), k_weight.float()
-    bf16 = [t for t in (q, k, q_weight, k_weight, cos_sin_cache) if t.dtype == torch.bfloat16]
-    if q.dtype != torch.bfloat16 or (is_neox and rope_dim % 4) or not all(has_word_view(t) for t in bf16):
+    q_weight, k_weight = same_weight_storage(q_weight, k_weight)
+    words = word_views(q, k, q_weight, k_weight, cos_sin_cache)
+    if words is None or (is_neox and rope_dim % 4):
         qk_norm_rope_v2(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox,
                         rope_dim, position_offset)
         return
@@ -441,8 +439,6 @@ def qk_norm_rope_v3(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, wei
     # THREADS per block, fewer where a token has fewer heads (a tiny launch keeps its block small)
     threads = min(THREADS, -(-heads * row_lanes(bucket) // WARP_SIZE) * WARP_SIZE)
     head_groups = -(-heads // (threads // row_lanes(bucket)))
-    tensors = (q, k, q_weight, k_weight, cos_sin_cache)
-    words = [t.view(torch.int32) if t.dtype == torch.bfloat16 else t for t in tensors]
     scalars = (np.float32(eps), np.float32(weight_offset), np.uint32(rope_dim), np.int64(position_offset),
                np.float32(1.0 / q.shape[2]))
     launch(kernel, (tokens, head_groups), threads, (*words, positions), scalars)
@@ -461,8 +457,7 @@ def _launch(factory, specialization, q, k, q_weight, k_weight, cos_sin_cache, po
     rows = q.shape[0] * (q.shape[1] + k.shape[1])
     if rows == 0:
         return
-    if q_weight.dtype != k_weight.dtype:  # one in the activation dtype, one float32: rare
-        q_weight, k_weight = q_weight.float(), k_weight.float()
+    q_weight, k_weight = same_weight_storage(q_weight, k_weight)
     kernel = factory(CODEC_OF[q.dtype], CODEC_OF[q_weight.dtype], CODEC_OF[cos_sin_cache.dtype], *specialization)
     warps = min(WARPS_PER_BLOCK, rows)  # a tiny launch keeps its block small (and the simulator quick)
     blocks = -(-rows // warps)

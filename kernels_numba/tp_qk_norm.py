@@ -28,9 +28,8 @@ import torch
 from numba import cuda
 
 from kernels_numba.cross_head_norm import (NUM_TENSORS, make_row_sum_sq, make_row_sum_sq_words, make_write_row,
-                                           make_write_row_words, same_weight_storage, threads_for, threads_for_words,
-                                           word_views)
-from kernels_numba.helpers import CODEC_OF, TABLE_OF, block_sum, launch, rstd_from
+                                           make_write_row_words, threads_for, threads_for_words)
+from kernels_numba.helpers import CODEC_OF, TABLE_OF, block_sum, launch, rstd_from, same_weight_storage, word_views
 
 
 @functools.cache
@@ -127,7 +126,8 @@ def tp_qk_norm_v2(q, k, q_weight, k_weight, eps, weight_offset, rounding, group)
     blocks = (tokens, NUM_TENSORS)
     threads = threads_for_words(max(q_words.shape[1], k_words.shape[1]))
     if tokens:
-        launch(make_sum_sq_kernel_over(make_row_sum_sq_words()), blocks, threads, (sum_sq, q_words, k_words), (), outputs=1)
+        sum_kernel = make_sum_sq_kernel_over(make_row_sum_sq_words())
+        launch(sum_kernel, blocks, threads, (sum_sq, q_words, k_words), (), outputs=1)
     all_reduce_sum(sum_sq, group)  # every rank takes part, even with no tokens
     if tokens:
         kernel = make_apply_kernel_v2(TABLE_OF[q_weight.dtype], rounding == "hf")
