@@ -147,7 +147,7 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
              "the three-step pipeline: a sum-of-squares kernel (block per (token, tensor)), the all-reduce of the [T, 2] sums, an apply kernel"),
         Impl("tp_qk_norm", "numba_v2", "numba", 2, "kernels_numba.tp_qk_norm:tp_qk_norm_v2",
              "v1's pipeline on bf16 shards read and written as 32-bit words (cross_head_norm's Numba v2 rows): two columns per load and store, the rounding order and the weights' storage fixed at build time - removes half of v1's loads and stores and its per-element rounding branch"),
-        _cuda("tp_qk_norm", 1, "the three-launch pipeline: a sum-of-squares kernel writes [T, 2] floats, NCCL all-reduces them, an apply kernel re-reads the shard and writes"),
+        _cuda("tp_qk_norm", 1, "the three-launch pipeline: a sum-of-squares kernel writes [T, 2] floats, NCCL all-reduces them, an apply kernel re-reads the shard and writes, both kernels on 16-byte vectors where the rows and weights allow"),
         _cuda("tp_qk_norm", 2, "one fused kernel: a CTA stages a tile of tokens in shared memory, pushes their partial sums into every peer's symmetric-memory buffer tagged with the call's epoch, waits for the peers' tags, and writes - removes v1's NCCL launch, its latency and the second read of the shard"),
         _cuda("tp_qk_norm", 3, "at decode sizes the warps of a CTA share each row, the header check runs beside the wait, and the weights are prefetched into L1 before it - removes v2's serial load rounds and two round trips from the critical path"),
         _cuda("tp_qk_norm", 4, "the decode kernel advances the epoch as soon as every CTA has read it (an atomic beside the wait) instead of after every CTA has finished - removes v3's end-of-kernel atomic round trip"),

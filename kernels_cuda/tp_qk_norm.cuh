@@ -10,7 +10,7 @@
 //
 // Versions (cookbook/registry.py is the list; tests/test_cuda_sources.py keeps these lines and
 // the registry's leads identical):
-// v1: the three-launch pipeline: a sum-of-squares kernel writes [T, 2] floats, NCCL all-reduces them, an apply kernel re-reads the shard and writes
+// v1: the three-launch pipeline: a sum-of-squares kernel writes [T, 2] floats, NCCL all-reduces them, an apply kernel re-reads the shard and writes, both kernels on 16-byte vectors where the rows and weights allow
 // v2: one fused kernel: a CTA stages a tile of tokens in shared memory, pushes their partial sums into every peer's symmetric-memory buffer tagged with the call's epoch, waits for the peers' tags, and writes - removes v1's NCCL launch, its latency and the second read of the shard
 // v3: at decode sizes the warps of a CTA share each row, the header check runs beside the wait, and the weights are prefetched into L1 before it - removes v2's serial load rounds and two round trips from the critical path
 // v4: the decode kernel advances the epoch as soon as every CTA has read it (an atomic beside the wait) instead of after every CTA has finished - removes v3's end-of-kernel atomic round trip
@@ -37,11 +37,15 @@ using cross_head_norm::Params;  // this rank's shard: q_hidden / k_hidden are th
 using cross_head_norm::Row;
 
 // ------------------------------------------------------------------------------------------
-// v1: the three-launch pipeline: a sum-of-squares kernel writes [T, 2] floats, NCCL all-reduces them, an apply kernel re-reads the shard and writes
-// Both kernels: grid (tokens, 2), blockIdx.y picks q or k, threads stride over the shard row.
-// The NCCL all-reduce between them is issued by the host (cookbook/cuda.py).
+// v1: the three-launch pipeline: a sum-of-squares kernel writes [T, 2] floats, NCCL all-reduces them, an apply kernel re-reads the shard and writes, both kernels on 16-byte vectors where the rows and weights allow
+// The NCCL all-reduce between the kernels is issued by the host (cookbook/cuda.py). This is
+// the path backend="auto" takes where the ranks cannot reach each other's memory, so its kernels
+// move bytes as cross_head_norm v3 does: a CTA per (token, tensor) row walks it in 16-byte
+// vectors, kV1VecsPerStep per thread per step, every load of a step issued before any is used.
+// Rows or weights that are not 16-byte aligned (odd offsets into a fused tensor, widths that
+// are not whole vectors) take the element-wise kernels below, grid (tokens, 2).
 // ------------------------------------------------------------------------------------------
-constexpr int kV1Threads = 256;
+constexpr int kV1Threads = 256;  // element-wise kernels
 static_assert(kV1Threads % kWarpSize == 0 && kV1Threads <= kMaxWarpsPerBlock * kWarpSize,
               "v1: whole warps, at most 1024 threads");
 
@@ -78,13 +82,95 @@ __global__ void __launch_bounds__(kV1Threads) apply_kernel(ApplyParams a) {
   }
 }
 
+// The vector kernels. A step of a thread covers vectors first, first + kV1VecThreads, ... of
+// its row (cross_head_norm's load_row_vectors); a CTA's step covers kV1VecsPerRowStep vectors:
+// the MiniMax-M2 TP=2 shard's q row (3072 bf16, 384 vectors) in one step, its k row (64) in a
+// quarter of one. kTokenMajor: grid.x walks (token, tensor) pairs, CTA 2t + tensor on token t's
+// row, for q and k that are views of one tensor of token rows (cross_head_norm v9's grid: the
+// rows in flight lie side by side); else grid (tokens, 2).
+constexpr int kV1VecWarps = 4;
+constexpr int kV1VecThreads = kV1VecWarps * kWarpSize;
+constexpr int kV1VecsPerStep = 4;  // per thread: 4 x 16 bytes in flight, as v7's CTAs of cross_head_norm
+constexpr int kV1VecsPerRowStep = kV1VecThreads * kV1VecsPerStep;
+static_assert(cross_head_norm::valid_block_size<kV1VecThreads>, "v1 vector kernels: whole warps, at most 1024 threads");
+
+template <typename T, bool kTokenMajor>
+__device__ __forceinline__ Row<T> locate_grid_row(const Params& p) {
+  if constexpr (kTokenMajor) return locate_row<T>(p, blockIdx.x / kNumTensors, static_cast<int>(blockIdx.x % kNumTensors));
+  return locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
+}
+
+template <bool kTokenMajor>
+__device__ __forceinline__ int64_t grid_row_slot() {  // the CTA's row's slot in sum_sq [T][kNumTensors]
+  if constexpr (kTokenMajor) return blockIdx.x;
+  return static_cast<int64_t>(blockIdx.x) * kNumTensors + blockIdx.y;
+}
+
+// Default caching: at batches whose shard fits in L2 the apply kernel re-reads it from there.
+template <typename T, bool kTokenMajor>
+__global__ void __launch_bounds__(kV1VecThreads) sum_sq_vec_kernel(Params p, float* sum_sq) {
+  const Row<T> r = locate_grid_row<T, kTokenMajor>(p);
+  const int num_vecs = r.hidden / Vec<T>::kElems;
+  float partial = 0.f;
+  for (int first = threadIdx.x; first < num_vecs; first += kV1VecsPerRowStep) {
+    Vec<T> x[kV1VecsPerStep];
+    partial += cross_head_norm::load_row_vectors<T, kV1VecsPerStep, false>(r, first, kV1VecThreads, x);
+  }
+  partial = block_sum(partial);
+  if (threadIdx.x == 0) sum_sq[grid_row_slot<kTokenMajor>()] = partial;
+}
+
+// Streaming accesses: the apply kernel is the shard's last touch.
+template <typename T, bool kHfRounding, bool kTokenMajor>
+__global__ void __launch_bounds__(kV1VecThreads) apply_vec_kernel(ApplyParams a) {
+  const Row<T> r = locate_grid_row<T, kTokenMajor>(a.shard);
+  const int tensor = kTokenMajor ? static_cast<int>(blockIdx.x % kNumTensors) : static_cast<int>(blockIdx.y);
+  const float full_width = tensor == kQ ? a.q_full_width : a.k_full_width;
+  const float rstd = rstd_from(a.sum_sq[grid_row_slot<kTokenMajor>()], full_width, a.shard.eps);
+  const int num_vecs = r.hidden / Vec<T>::kElems;
+  for (int first = threadIdx.x; first < num_vecs; first += kV1VecsPerRowStep) {
+    Vec<T> x[kV1VecsPerStep];
+    cross_head_norm::load_row_vectors<T, kV1VecsPerStep, true>(r, first, kV1VecThreads, x);  // the sum is not needed here
+    cross_head_norm::store_row_vectors<T, kV1VecsPerStep, kHfRounding, true>(r, first, kV1VecThreads, x, rstd, a.shard.weight_offset);
+  }
+}
+
+// Both kernels of a call take the vector path or neither (the same rows; the sum kernel's Params
+// carry no weights, which count as aligned), on the same grid.
+template <typename T>
+inline bool v1_vector_path(const Params& p) {
+  return cross_head_norm::vector_aligned<T>(p);
+}
+
+inline bool v1_token_major(const Params& p) {
+  constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1 CTAs along grid.x
+  return cross_head_norm::rows_share_token_stride(p) && p.num_tokens * kNumTensors <= kMaxGridX;
+}
+
+inline dim3 v1_vec_grid(const Params& p, bool token_major) {
+  if (token_major) return dim3(static_cast<unsigned>(p.num_tokens * kNumTensors));
+  return dim3(static_cast<unsigned>(p.num_tokens), kNumTensors);
+}
+
 template <typename T>
 inline void launch_sum_sq(const Params& p, float* sum_sq, cudaStream_t stream) {
+  if (v1_vector_path<T>(p)) {
+    const bool token_major = v1_token_major(p);
+    const auto kernel = token_major ? sum_sq_vec_kernel<T, true> : sum_sq_vec_kernel<T, false>;
+    kernel<<<v1_vec_grid(p, token_major), kV1VecThreads, 0, stream>>>(p, sum_sq);
+    return;
+  }
   sum_sq_kernel<T><<<dim3(static_cast<unsigned>(p.num_tokens), kNumTensors), kV1Threads, 0, stream>>>(p, sum_sq);
 }
 
 template <typename T, bool kHfRounding>
 inline void launch_apply(const ApplyParams& a, cudaStream_t stream) {
+  if (v1_vector_path<T>(a.shard)) {
+    const bool token_major = v1_token_major(a.shard);
+    const auto kernel = token_major ? apply_vec_kernel<T, kHfRounding, true> : apply_vec_kernel<T, kHfRounding, false>;
+    kernel<<<v1_vec_grid(a.shard, token_major), kV1VecThreads, 0, stream>>>(a);
+    return;
+  }
   apply_kernel<T, kHfRounding><<<dim3(static_cast<unsigned>(a.shard.num_tokens), kNumTensors), kV1Threads, 0, stream>>>(a);
 }
 

@@ -7,6 +7,8 @@ fails on all (the failures are gathered), and the exit status is 1. What it prov
 1. every implementation (reference, Numba, each CUDA C version, the all-gather baseline) and the
    public op agree with the matching columns of the gathered float64 reference: dtypes, both
    roundings, float32 weights, fused-qkv views, unaligned views (the one-element path), T = 0;
+   the NCCL pipeline (cuda_v1) takes its 16-byte kernels on both grids, and its element-wise ones
+   where the shard is not 16-byte aligned;
 2. 1000 consecutive fused calls with varying T and fresh inputs stay correct (buffer reuse);
 3. 8 calls captured in one CUDA graph and replayed (twice, inputs refreshed) stay correct;
 4. eps=0 with all-zero rows finishes and gives zeros;
@@ -141,6 +143,40 @@ def check_lagged_dispatch(rank, world):
             for sh in shards:
                 run(impl.fn, sh)
         replay_and_check(f"{name} graph", graph, shards, fulls, rank, world)
+
+
+def check_pipeline_paths(rank, world):
+    """cuda_v1 (the NCCL pipeline) runs its 16-byte kernels on aligned shards, token-major where q
+    and k are views of one qkv shard and on the (tokens, 2) grid where they are separate tensors,
+    and its element-wise kernels on shards that are not 16-byte aligned; each path agrees with the
+    reference in both roundings."""
+    impl = registry.get(tp.OP, "cuda_v1")
+    for t, q_width, k_width in ((1, 6144, 1024), (37, 4096, 512), (300, 1040, 272), (64, 65536, 1024)):
+        for fused_qkv, expect in ((True, "token-major"), (False, "(tokens, 2)")):
+            for rounding in ("fused", "hf"):
+                full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=80 + t)
+                shard = tp.shard_of(full, rank, world, fused_qkv=fused_qkv)
+                names = {n for n in kernels_run(lambda: run(impl.fn, shard, rounding=rounding)) if "tp_qk_norm" in n}
+                vec = {n for n in names if "_vec_kernel" in n}
+                token_major = {n.split(">(")[0].endswith("true") for n in vec}  # the last template argument
+                # one token: a view's token stride says nothing (either grid is right)
+                if len(vec) != 2 or (t > 1 and token_major != {fused_qkv}):
+                    failures.append(f"cuda_v1 T={t} {q_width}/{k_width} {expect}: kernels {sorted(names)}")
+                check_shards(f"cuda_v1 vectors {expect} T={t} {q_width}/{k_width} {rounding}", shard, full, rank,
+                             world, rounding=rounding)
+    # Unaligned: a qkv shard whose q starts one element in, and a width that is not whole vectors.
+    for t, q_width, k_width, offset in ((7, 96, 48, 1), (9, 4100, 1028, 0)):
+        full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=90 + t)
+        shard = tp.shard_of(full, rank, world)
+        q_w, k_w = shard["q_shard"].shape[1], shard["k_shard"].shape[1]
+        base = torch.zeros(t, offset + q_w + k_w, dtype=torch.bfloat16, device="cuda")
+        base[:, offset : offset + q_w] = shard["q_shard"]
+        base[:, offset + q_w :] = shard["k_shard"]
+        shard = dict(shard, q_shard=base[:, offset : offset + q_w], k_shard=base[:, offset + q_w :])
+        names = {n for n in kernels_run(lambda: run(impl.fn, shard)) if "tp_qk_norm" in n}
+        if any("_vec_kernel" in n for n in names) or len(names) != 2:
+            failures.append(f"cuda_v1 unaligned T={t} {q_width}/{k_width}: kernels {sorted(names)}")
+        check_shards(f"cuda_v1 element-wise T={t} {q_width}/{k_width}", shard, full, rank, world)
 
 
 def check_reuse(rank, world, calls):
@@ -311,7 +347,8 @@ def main() -> int:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
-    checks = [check_agreement] if args.small else [check_agreement, check_lagged_dispatch, check_reuse, check_graph,
+    checks = [check_agreement] if args.small else [check_agreement, check_pipeline_paths, check_lagged_dispatch,
+                                                   check_reuse, check_graph,
                                                    check_zero_rows,
                                                    check_mismatch, check_chunks, check_chunk_mismatch,
                                                    check_epoch_wrap, check_compile]
