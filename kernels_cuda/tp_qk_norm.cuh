@@ -19,6 +19,7 @@
 // v7: v6 with, at prefill sizes, a persistent walk in which a CTA sums a token's rows and pushes the partials, then finishes that token two steps later: its peers' sums have arrived by then, and its rows are read again from L2 - removes v6's shared-memory tile and its wait per tile, and holds no row through an NVLink round trip (as registers did in a reverted one-CTA-per-token kernel)
 // v8: v7 with each thread's effective weights (w + weight_offset, fp32) held in registers for the whole walk, loaded once before its first token - removes the weight loads, conversions and offset adds from every token a CTA finishes: Nsight Compute showed v7's walk issue-bound (73 % of issue slots busy), not waiting on DRAM
 // v9: v8 with the effective weights kept in shared memory instead of registers: each thread writes its own columns' fp32 weights there once, before the walk, and reads them back at every finish - keeps v8's per-step savings at v7's register count (72 instead of 96 at the MiniMax shard: 7 CTAs per SM instead of 5) and extends them to 8 vectors per thread
+// v10: v9 with, at decode sizes, each lane's packs of its row and their weights loaded together into registers before the exchange and kept there through it - removes the decode kernel's weight loads after the wait (a memory round trip on every call's critical path; the L1 prefetch did not hide it) and its shared-memory tile
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -617,6 +618,35 @@ __device__ __forceinline__ void count_in_for_the_epoch(const FusedParams& p, uin
   }
 }
 
+// Phase 2+3 of the decode kernels (v3 on): thread (row, rank r) adds up the row's slice sums in
+// a fixed order, pushes the partial to rank r and waits for rank r's; the top world *
+// kHeaderWords threads check the headers meanwhile (a mismatch clears *ranks_agree, which stops
+// the waits), and from v4 on one other thread counts the CTA in for the next epoch.
+template <typename T, bool kEarlyEpoch>
+__device__ __forceinline__ void exchange_row_sums(const FusedParams& p, uint32_t epoch, int64_t first_token, int tokens,
+                                                  int slices, const float* unit_sums,
+                                                  float (*partials)[kMaxRanks], int* ranks_agree) {
+  const int parity = static_cast<int>(epoch % kParities);
+  const bool near_wrap = epoch >= kLastEpoch - 1;
+  const int rows = kNumTensors * tokens;
+  const int header_thread = threadIdx.x - (kFusedThreads - p.world * kHeaderWords);
+  if (threadIdx.x < rows * p.world) {
+    const int row = threadIdx.x / p.world, r = threadIdx.x % p.world;
+    const TileRow<T> t = tile_row<T>(p, first_token, tokens, row);
+    float sum_sq = 0.f;
+    for (int slice = 0; slice < slices; ++slice) sum_sq += unit_sums[row * slices + slice];  // fixed order
+    store_word(sum_slot(p, p.buffers[r], parity, t.token, t.tensor, p.rank), tagged(epoch, __float_as_uint(sum_sq)));
+    uint64_t word;
+    if (wait_for_epoch_unless(sum_slot(p, p.buffers[p.rank], parity, t.token, t.tensor, r), epoch, ranks_agree, word)) {
+      partials[row][r] = __uint_as_float(payload_of(word));
+    }
+  } else if (header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread)) {
+    *ranks_agree = 0;
+  } else if (kEarlyEpoch && !near_wrap && threadIdx.x == kEpochThread) {
+    count_in_for_the_epoch(p, epoch);
+  }
+}
+
 template <typename T, int kElems, bool kStaged, bool kHfRounding, bool kEarlyEpoch = false,
           bool kProgrammatic = false, bool kBatched = false>
 __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) {
@@ -658,22 +688,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
 
   // Phase 2+3: thread (row, rank r) pushes the row's partial to rank r and waits for rank r's;
   // the top world * kHeaderWords threads check the headers meanwhile.
-  const int header_thread = threadIdx.x - (kFusedThreads - p.world * kHeaderWords);
-  if (threadIdx.x < rows * p.world) {
-    const int row = threadIdx.x / p.world, r = threadIdx.x % p.world;
-    const TileRow<T> t = tile_row<T>(p, first_token, tokens, row);
-    float sum_sq = 0.f;
-    for (int slice = 0; slice < slices; ++slice) sum_sq += unit_sums[row * slices + slice];  // fixed order
-    store_word(sum_slot(p, p.buffers[r], parity, t.token, t.tensor, p.rank), tagged(epoch, __float_as_uint(sum_sq)));
-    uint64_t word;
-    if (wait_for_epoch_unless(sum_slot(p, p.buffers[p.rank], parity, t.token, t.tensor, r), epoch, &ranks_agree, word)) {
-      partials[row][r] = __uint_as_float(payload_of(word));
-    }
-  } else if (header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread)) {
-    ranks_agree = 0;
-  } else if (kEarlyEpoch && !near_wrap && threadIdx.x == kEpochThread) {
-    count_in_for_the_epoch(p, epoch);
-  }
+  exchange_row_sums<T, kEarlyEpoch>(p, epoch, first_token, tokens, slices, unit_sums, partials, &ranks_agree);
   __syncthreads();
   const bool agree = ranks_agree != 0;
 
@@ -1043,6 +1058,104 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
 }
 
 // ------------------------------------------------------------------------------------------
+// v10: v9 with, at decode sizes, each lane's packs of its row and their weights loaded together into registers before the exchange and kept there through it - removes the decode kernel's weight loads after the wait (a memory round trip on every call's critical path; the L1 prefetch did not hide it) and its shared-memory tile
+// Measured with clock64 stamps in v9's decode kernel (one H200, world 1, 127 tokens of the
+// MiniMax TP=2 shard, one token per CTA, four warps per row; a throwaway build, numbers from
+// docs/tp_qk_norm.md): of a CTA's ~5200 cycles, phase 1 (x loaded, staged, summed) took
+// ~1700, the push and the wait ~1450, reading the epoch ~170 and phase 4 ~2000, although phase
+// 4 reads x back from shared memory and its weight lines had been prefetched into L1 in phase
+// 1. Phase 4's only global loads are the weights, and 2000 cycles is a memory round trip plus
+// the work. Here a lane issues its x loads and its raw weight loads in one batch in phase 1, so
+// both round trips overlap, and phase 4 reads only registers. A lane holds up to
+// kHeldPacksPerLane packs of x and of weights (64 registers in bf16 with fp32 weights: occupancy
+// does not matter at these sizes, one CTA per SM); wider rows, and unaligned ones, keep v9's
+// kernel. The exchange (phase 2+3) is v4's, shared with v3-v9's decode kernel.
+// ------------------------------------------------------------------------------------------
+constexpr int kHeldPacksPerLane = 8;  // 8 x 16 bytes of x and 8 (16 or 32 bytes) of weights
+
+template <typename T, bool kHfRounding>
+__global__ void __launch_bounds__(kFusedThreads) fused_held_kernel(FusedParams p) {
+  constexpr int kElems = Vec<T>::kElems;
+  __shared__ float unit_sums[kMaxRowsPerCta];  // one per (row, slice)
+  __shared__ float partials[kMaxRowsPerCta][kMaxRanks];
+  __shared__ int ranks_agree;
+
+  after_prior_grids();
+  const uint32_t epoch = read_epoch(p);
+  if (chunk_abandoned(p, epoch)) return;
+  const bool near_wrap = epoch >= kLastEpoch - 1;
+  const int parity = static_cast<int>(epoch % kParities);
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t first_token = static_cast<int64_t>(blockIdx.x) * p.tokens_per_cta;
+  const int64_t left = p.shard.num_tokens - first_token;
+  const int tokens = left < p.tokens_per_cta ? static_cast<int>(left > 0 ? left : 0) : p.tokens_per_cta;
+  const int slices = p.slices_per_row;
+  const int unit = warp;  // the launcher keeps rows * slices <= kFusedWarps: a warp has one unit or none
+  const bool has_unit = unit < kNumTensors * tokens * slices;
+  const int row = unit / slices, slice = unit % slices;
+  const int first = slice * kWarpSize + lane, stride = slices * kWarpSize;
+
+  if (threadIdx.x == 0) ranks_agree = 1;
+  publish_header(p, epoch, parity);
+
+  // Phase 1: warp (row, slice) loads packs first, first + stride, ... of its row and their
+  // weights, every load issued before any is used, and sums the squares.
+  TileRow<T> t{};
+  int packs = 0;
+  if (has_unit) {
+    t = tile_row<T>(p, first_token, tokens, row);
+    packs = t.row.hidden / kElems;
+  }
+  Vec<T> x[kHeldPacksPerLane];
+  RawWeights<T> raw[kHeldPacksPerLane];
+#pragma unroll
+  for (int i = 0; i < kHeldPacksPerLane; ++i) {
+    const int c = first + i * stride;
+    if (c < packs) {
+      x[i] = load_x<T, true>(t.row.x + c * kElems);
+      raw[i] = load_raw_weights<T>(t.row, c * kElems);
+    }
+  }
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < kHeldPacksPerLane; ++i) {
+    if (first + i * stride < packs) {
+      float xf[kElems];
+      unpack<T>(x[i], xf);
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) sum_sq += xf[j] * xf[j];
+    }
+  }
+  sum_sq = warp_sum(sum_sq);
+  if (has_unit && lane == 0) unit_sums[unit] = sum_sq;
+  __syncthreads();
+
+  exchange_row_sums<T, true>(p, epoch, first_token, tokens, slices, unit_sums, partials, &ranks_agree);
+  __syncthreads();
+
+  // Phase 4: normalize the held packs with the held weights and write them.
+  if (ranks_agree != 0 && has_unit) {
+    float total = 0.f;
+    for (int source = 0; source < p.world; ++source) total += partials[row][source];  // rank order
+    const float rstd = rstd_from(total, t.full_width, p.shard.eps);
+#pragma unroll
+    for (int i = 0; i < kHeldPacksPerLane; ++i) {
+      const int c = first + i * stride;
+      if (c < packs) {
+        float xf[kElems], w[kElems], y[kElems];
+        unpack<T>(x[i], xf);
+        effective_weights<T, kHfRounding>(raw[i], t.row.w_is_fp32, p.shard.weight_offset, w);
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) y[j] = normalized<T, kHfRounding>(xf[j], rstd, w[j]);
+        store_x<T, true>(t.row.x + c * kElems, pack<T>(y));
+      }
+    }
+  }
+  if (near_wrap) end_launch(p, epoch, parity);
+}
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host).
 // ------------------------------------------------------------------------------------------
 inline int sm_count() {
@@ -1086,6 +1199,16 @@ inline void launch_fused_kernel(const FusedParams& p, unsigned grid, size_t tile
   launch_kernel(kProgrammatic, kernel, dim3(grid), dim3(kFusedThreads), tile_bytes, stream, p);
 }
 
+// v10: whether a lane's share of the wider row, at the launch's slices per row, fits in
+// kHeldPacksPerLane packs (the decode kernel's units are (row, slice) warps: rows * slices <=
+// kFusedWarps whenever slices > 1).
+template <typename T>
+inline bool held_rows_fit(const FusedParams& p) {
+  const int widest = p.shard.q_hidden > p.shard.k_hidden ? p.shard.q_hidden : p.shard.k_hidden;
+  return widest / Vec<T>::kElems <= kHeldPacksPerLane * p.slices_per_row * kWarpSize &&
+         kNumTensors * p.tokens_per_cta * p.slices_per_row <= kFusedWarps;
+}
+
 template <int kVersion, typename T, int kElems, bool kHfRounding>
 inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
   const int row_pair_bytes = (p.shard.q_hidden + p.shard.k_hidden) * static_cast<int>(sizeof(T));
@@ -1094,6 +1217,11 @@ inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
   p.slices_per_row = kVersion == 2 ? 1 : slices_per_row(p.tokens_per_cta);
   const int64_t ctas = (p.shard.num_tokens + p.tokens_per_cta - 1) / p.tokens_per_cta;
   const unsigned grid = ctas > 0 ? static_cast<unsigned>(ctas) : 1u;  // no tokens: still publish the header
+  if constexpr (kVersion >= 10 && kElems == Vec<T>::kElems) {
+    if (staged && p.slices_per_row > 1 && held_rows_fit<T>(p)) {
+      return launch_kernel(true, fused_held_kernel<T, kHfRounding>, dim3(grid), dim3(kFusedThreads), 0, stream, p);
+    }
+  }
   if (staged) {
     const size_t tile = static_cast<size_t>(p.tokens_per_cta) * row_pair_bytes;
     launch_fused_kernel<kVersion, T, kElems, true, kHfRounding>(p, grid, tile, stream);
@@ -1190,7 +1318,7 @@ inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cu
   });
 }
 
-constexpr int kNumVersions = 9;
+constexpr int kNumVersions = 10;
 
 // The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
 inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
@@ -1211,8 +1339,10 @@ inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, in
       hf_rounding ? launch_fused<7, T, true>(p, stream) : launch_fused<7, T, false>(p, stream);
     } else if (version == 8) {
       hf_rounding ? launch_fused<8, T, true>(p, stream) : launch_fused<8, T, false>(p, stream);
-    } else {
+    } else if (version == 9) {
       hf_rounding ? launch_fused<9, T, true>(p, stream) : launch_fused<9, T, false>(p, stream);
+    } else {
+      hf_rounding ? launch_fused<10, T, true>(p, stream) : launch_fused<10, T, false>(p, stream);
     }
   });
 }

@@ -8,7 +8,8 @@ fails on all (the failures are gathered), and the exit status is 1. What it prov
    public op agree with the matching columns of the gathered float64 reference: dtypes, both
    roundings, float32 weights, fused-qkv views, unaligned views (the one-element path), T = 0;
    the NCCL pipeline (cuda_v1) takes its 16-byte kernels on both grids, and its element-wise ones
-   where the shard is not 16-byte aligned;
+   where the shard is not 16-byte aligned; cuda_v10 takes its held-row decode kernel exactly where
+   it fits;
 2. 1000 consecutive fused calls with varying T and fresh inputs stay correct (buffer reuse);
 3. 8 calls captured in one CUDA graph and replayed (twice, inputs refreshed) stay correct;
 4. eps=0 with all-zero rows finishes and gives zeros;
@@ -179,6 +180,54 @@ def check_pipeline_paths(rank, world):
         check_shards(f"cuda_v1 element-wise T={t} {q_width}/{k_width}", shard, full, rank, world)
 
 
+def held_kernel_expected(t, q_shard, k_shard, element_size, sms):
+    """Where cuda_v10's launcher picks the held-row kernel (kernels_cuda/tp_qk_norm.cuh: the decode
+    kernel's tiling, then held_rows_fit), for a fused-qkv shard of `t` tokens."""
+    vec = 16 // element_size  # elements per 16-byte vector
+    if any(width % vec for width in (q_shard, k_shard, q_shard + 2 * k_shard)):
+        return False  # not 16-byte aligned: the element-wise kernels
+    row_pair_bytes = (q_shard + k_shard) * element_size
+    tile_bytes, max_tokens_per_cta, warps, lanes, held_packs = 48 * 1024, 8, 8, 32, 8
+    if row_pair_bytes > tile_bytes:
+        return False
+    tokens_per_cta = max(1, min(tile_bytes // row_pair_bytes, max_tokens_per_cta, -(-t // sms)))
+    rows = 2 * tokens_per_cta
+    slices = warps // rows if rows < warps else 1
+    return slices > 1 and max(q_shard, k_shard) // vec <= held_packs * slices * lanes
+
+
+def check_held_dispatch(rank, world):
+    """cuda_v10 runs its held-row decode kernel where warps share rows (up to two tokens per CTA)
+    and a lane's share of the wider row fits its registers, and v9's kernels elsewhere; every
+    dtype and weight storage, both roundings, against the reference."""
+    impl = registry.get(tp.OP, "cuda_v10")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # 2 * sms tokens: two per CTA; 3 * sms: three (a warp per row, v9's kernel); 16384 and 20480
+    # wide: 8192- and 10240-wide shard rows at TP=2 (1024 and 1280 bf16 packs for 128 lanes);
+    # 100 / 36: 50- and 18-wide shard rows at TP=2, not whole vectors
+    cases = ((1, 6144, 1024), (128, 6144, 1024), (2 * sms, 6144, 1024), (3 * sms, 6144, 1024), (5, 16384, 1024),
+             (3, 20480, 1024), (1, 100, 36))
+    seen = set()
+    for t, q_width, k_width in cases:
+        for dtype in DTYPES:
+            for rounding in ("fused", "hf"):
+                for weight_dtype in (None, torch.float32):
+                    full = tp.make_full_inputs(t, q_width, k_width, dtype, "cuda", seed=70 + t,
+                                               weight_dtype=weight_dtype)
+                    shard = tp.shard_of(full, rank, world)
+                    names = kernels_run(lambda: run(impl.fn, shard, rounding=rounding))
+                    held = any("fused_held_kernel" in n for n in names)
+                    expect = held_kernel_expected(t, q_width // world, k_width // world, full["q"].element_size(), sms)
+                    seen.add(expect)
+                    if held != expect:
+                        failures.append(f"cuda_v10 T={t} {q_width}/{k_width} {dtype}: expected held={expect}, "
+                                        f"kernels {sorted(names)}")
+                    check_shards(f"cuda_v10 held T={t} {q_width}/{k_width} {dtype} {rounding} w={weight_dtype}",
+                                 shard, full, rank, world, rounding=rounding)
+    if seen != {True, False}:
+        failures.append(f"check_held_dispatch: the cases cover only held={seen}")
+
+
 def check_reuse(rank, world, calls):
     gen = torch.Generator().manual_seed(1234)  # the same T sequence on every rank
     for i in range(calls):
@@ -347,7 +396,8 @@ def main() -> int:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
-    checks = [check_agreement] if args.small else [check_agreement, check_pipeline_paths, check_lagged_dispatch,
+    checks = [check_agreement] if args.small else [check_agreement, check_pipeline_paths, check_held_dispatch,
+                                                   check_lagged_dispatch,
                                                    check_reuse, check_graph,
                                                    check_zero_rows,
                                                    check_mismatch, check_chunks, check_chunk_mismatch,
