@@ -1199,7 +1199,7 @@ inline void launch_fused_kernel(const FusedParams& p, unsigned grid, size_t tile
   launch_kernel(kProgrammatic, kernel, dim3(grid), dim3(kFusedThreads), tile_bytes, stream, p);
 }
 
-// v10: whether a lane's share of the wider row, at the launch's slices per row, fits in
+// For v10's launch: whether a lane's share of the wider row, at the launch's slices per row, fits in
 // kHeldPacksPerLane packs (the decode kernel's units are (row, slice) warps: rows * slices <=
 // kFusedWarps whenever slices > 1).
 template <typename T>

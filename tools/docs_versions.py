@@ -36,7 +36,9 @@ VECTORS_PER_THREAD_OPS = {"cross_head_norm"}
 WEIGHT_SOURCE = "(cookbook::tp_qk_norm::WeightSource)"  # how the demangler writes the enum argument
 NAMED_KERNELS = {
     "tp_qk_norm": {
-        1: ("sum_sq_kernel<__nv_bfloat16>", "apply_kernel<__nv_bfloat16, false>"),
+        # v1: the 16-byte kernels on the token-major grid (fused-qkv views); unaligned shards run the element-wise pair
+        1: ("sum_sq_vec_kernel<__nv_bfloat16, true>", "apply_vec_kernel<__nv_bfloat16, false, true>",
+            "sum_sq_kernel<__nv_bfloat16>", "apply_kernel<__nv_bfloat16, false>"),
         2: ("fused_kernel<__nv_bfloat16, 8, true, false, false, false>",),
         3: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, false, false, false>", "fused_kernel<__nv_bfloat16, 8, true, false, false, false>"),
         4: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, false, false>", "fused_kernel<__nv_bfloat16, 8, true, false, false, false>"),
@@ -47,6 +49,8 @@ NAMED_KERNELS = {
         # v8: the same walk with the weights held in registers; v9: in shared memory
         8: (f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}1>",),
         9: (f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}2>",),
+        # v10: its decode kernel (prefill is v9's walk)
+        10: ("fused_held_kernel<__nv_bfloat16, false>", f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}2>"),
     },
 }
 
