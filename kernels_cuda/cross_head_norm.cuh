@@ -17,6 +17,7 @@
 // v7: v6 with, at batches whose rows fill every SM, four-warp CTAs holding up to eight vectors per thread (v3's rule, the fewest vectors per thread in CTAs of up to 512 threads, kept for smaller batches) - removes v6's 64 KiB in flight per SM at wide rows (four 512-thread CTAs of 16-32 bytes per thread) where the register file holds twice that
 // v8: v7 with, at narrow rows (up to 256 vectors, 2048 bf16 elements) and many tokens, one warp per token: q's row then k's, four tokens per CTA, no block barrier - removes v7's two small CTAs per token there (tensor-parallel shards, small models), whose dispatch, not their bytes, set the time
 // v9: v8 with, where q and k are views of one tensor of token rows (a fused qkv projection) and the rows fill the GPU at least three times, the CTAs of a token's q row and k row launched next to each other instead of all q rows before all k rows - removes v8's sparse streams over the fused rows: the rows in flight together now lie side by side in memory (at q, k and v 8192 bf16 wide, 32 KiB of every 48 KiB instead of 16)
+// v10: v9 with, at calls of fewer than three waves of CTAs (decode and small batches), each thread's weight vectors loaded right after its row, before the block sum, and held in registers until the store - removes the weight loads that v3-v9 issue after the reduction: a memory round trip on the critical path of every CTA, which only calls of many waves hide
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -210,20 +211,103 @@ __device__ __forceinline__ void store_row_vectors(const Row<T>& r, int first, in
   }
 }
 
+// A 16-byte vector's weights as loaded, not yet converted, so that a batch of loads can be issued
+// before the first conversion waits on one (v10 here; tp_qk_norm's v6 and v10). fp32 weights fill
+// every word; activation-type weights only words[0].
+template <typename T>
+struct RawWeights {
+  static constexpr int kFloatVecs = Vec<T>::kElems / Vec<float>::kElems;
+  uint4 words[kFloatVecs];
+};
+
+template <typename T>
+__device__ __forceinline__ RawWeights<T> load_raw_weights(const Row<T>& r, int col) {
+  RawWeights<T> raw;
+  if (r.w_is_fp32) {
+#pragma unroll
+    for (int v = 0; v < RawWeights<T>::kFloatVecs; ++v) {
+      raw.words[v] = *reinterpret_cast<const uint4*>(static_cast<const float*>(r.w) + col + v * Vec<float>::kElems);
+    }
+  } else {
+    raw.words[0] = *reinterpret_cast<const uint4*>(static_cast<const T*>(r.w) + col);
+  }
+  return raw;
+}
+
+template <typename T, bool kHfRounding>
+__device__ __forceinline__ void effective_weights(const RawWeights<T>& raw, bool w_is_fp32, float weight_offset,
+                                                  float (&w)[Vec<T>::kElems]) {
+  if (w_is_fp32) {
+#pragma unroll
+    for (int v = 0; v < RawWeights<T>::kFloatVecs; ++v) {
+      const Vec<float>& f = *reinterpret_cast<const Vec<float>*>(&raw.words[v]);
+#pragma unroll
+      for (int j = 0; j < Vec<float>::kElems; ++j) w[v * Vec<float>::kElems + j] = f.v[j];
+    }
+  } else {
+    unpack<T>(*reinterpret_cast<const Vec<T>*>(&raw.words[0]), w);
+  }
+#pragma unroll
+  for (int j = 0; j < Vec<T>::kElems; ++j) w[j] = effective_weight<T, kHfRounding>(w[j], weight_offset);
+}
+
+// v10: a thread's weight vectors for the same slots as load_row_vectors, loaded before any is used.
+template <typename T, int kVecs>
+__device__ __forceinline__ void load_row_weights(const Row<T>& r, int first, int stride, RawWeights<T> (&w)[kVecs]) {
+  const int num_vecs = r.hidden / Vec<T>::kElems;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int vec = first + i * stride;
+    if (vec < num_vecs) w[i] = load_raw_weights<T>(r, vec * Vec<T>::kElems);
+  }
+}
+
+// store_row_vectors with the weights already in registers (v10).
+template <typename T, int kVecs, bool kHfRounding, bool kStreaming>
+__device__ __forceinline__ void store_row_vectors_held(const Row<T>& r, int first, int stride, const Vec<T> (&x)[kVecs],
+                                                       const RawWeights<T> (&w_raw)[kVecs], float rstd,
+                                                       float weight_offset) {
+  constexpr int kVecElems = Vec<T>::kElems;
+  const int num_vecs = r.hidden / kVecElems;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int vec = first + i * stride;
+    if (vec < num_vecs) {
+      float xf[kVecElems], w[kVecElems], y[kVecElems];
+      unpack<T>(x[i], xf);
+      effective_weights<T, kHfRounding>(w_raw[i], r.w_is_fp32, weight_offset, w);
+#pragma unroll
+      for (int j = 0; j < kVecElems; ++j) y[j] = normalized<T, kHfRounding>(xf[j], rstd, w[j]);
+      store_x<T, kStreaming>(r.x + vec * kVecElems, pack<T>(y));
+    }
+  }
+}
+
 // kStreaming (v5): x is read and written by streaming global accesses (load_vec_streaming).
 // kProgrammatic (v6): launched programmatically, so nothing is read before after_prior_grids.
 // kTokenMajor (v9): grid.x walks (token, tensor) pairs, CTA 2t + tensor normalizing token t's row.
+// kWeightsWithRow (v10): the thread's weight vectors are loaded right after its row, before the
+// block sum, and held in registers until the store.
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false,
-          bool kTokenMajor = false>
+          bool kTokenMajor = false, bool kWeightsWithRow = false>
 __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Params p) {
   static_assert(kVecsPerThread >= 1 && kVecsPerThread <= kV3MaxVecsPerThread, "a thread holds 1..8 vectors");
   if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
   const Row<T> r = kTokenMajor ? locate_row<T>(p, blockIdx.x / kNumTensors, static_cast<int>(blockIdx.x % kNumTensors))
                                : locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
   Vec<T> x[kVecsPerThread];  // kept packed across the block reduction: half the registers of float32
-  const float sum_sq = load_row_vectors<T, kVecsPerThread, kStreaming>(r, threadIdx.x, blockDim.x, x);
-  const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
-  store_row_vectors<T, kVecsPerThread, kHfRounding, kStreaming>(r, threadIdx.x, blockDim.x, x, rstd, p.weight_offset);
+  if constexpr (kWeightsWithRow) {
+    RawWeights<T> w[kVecsPerThread];
+    load_row_weights<T, kVecsPerThread>(r, threadIdx.x, blockDim.x, w);  // issued before the sum waits on x
+    const float sum_sq = load_row_vectors<T, kVecsPerThread, kStreaming>(r, threadIdx.x, blockDim.x, x);
+    const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
+    store_row_vectors_held<T, kVecsPerThread, kHfRounding, kStreaming>(r, threadIdx.x, blockDim.x, x, w, rstd,
+                                                                       p.weight_offset);
+  } else {
+    const float sum_sq = load_row_vectors<T, kVecsPerThread, kStreaming>(r, threadIdx.x, blockDim.x, x);
+    const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
+    store_row_vectors<T, kVecsPerThread, kHfRounding, kStreaming>(r, threadIdx.x, blockDim.x, x, rstd, p.weight_offset);
+  }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -388,6 +472,23 @@ constexpr int kV9MinWaves = 3;
 static_assert(kV9MinWaves >= 1, "v9: at least the one wave that v7 requires");
 
 // ------------------------------------------------------------------------------------------
+// v10: v9 with, at calls of fewer than three waves of CTAs (decode and small batches), each thread's weight vectors loaded right after its row, before the block sum, and held in registers until the store - removes the weight loads that v3-v9 issue after the reduction: a memory round trip on the critical path of every CTA, which only calls of many waves hide
+// v3's kernel with kWeightsWithRow: the loads of a thread's row and of its weights are issued
+// together, so the weights' latency hides under the row's, and after the block sum only the
+// arithmetic and the stores are left. Found in tp_qk_norm's decode kernel first (its v10):
+// clock64 stamps showed the weight loads after the exchange as long as the row's own loads,
+// although their lines had been prefetched into L1. A CTA's life here is the same chain (load
+// x, block sum, load w, store), and in a call of one or two waves every CTA's chain is on the
+// call's critical path; at many waves other CTAs' loads fill the gap, and the held weights
+// would only cost registers (v3's kernel with the weights in registers before the block sum
+// measured 37.6-38.0 us against v8's 37.3 at 2048 x 8192, 3.9 waves). So v10 holds them below
+// kV9MinWaves waves (where v9 keeps the (tokens, 2) grid), and only up to kV10MaxHeldVecs
+// vectors per thread: 4 vectors of bf16 row and 4 of fp32 weights are 48 registers of payload.
+// ------------------------------------------------------------------------------------------
+constexpr int kV10MaxHeldVecs = 4;
+static_assert(kV10MaxHeldVecs <= kV3MaxVecsPerThread, "v10 holds at most v3's vectors per thread");
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 inline dim3 token_tensor_grid(const Params& p) {
@@ -412,10 +513,10 @@ inline int v3_threads(int widest_vecs, int vecs_per_thread) {
 }
 
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming, bool kProgrammatic,
-          bool kTokenMajor = false>
+          bool kTokenMajor = false, bool kWeightsWithRow = false>
 inline void launch_v3_fixed(const Params& p, int widest_vecs, cudaStream_t stream) {
-  constexpr auto kernel =
-      cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic, kTokenMajor>;
+  constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic,
+                                                    kTokenMajor, kWeightsWithRow>;
   const dim3 grid = kTokenMajor ? dim3(static_cast<unsigned>(p.num_tokens * kNumTensors)) : token_tensor_grid(p);
   launch_kernel(kProgrammatic, kernel, grid, dim3(v3_threads(widest_vecs, kVecsPerThread)), 0, stream, p);
 }
@@ -432,19 +533,46 @@ inline bool vector_aligned(const Params& p) {
 // For v7: launches v3's kernel at kVecsPerThread vectors per thread if the call's rows fill every
 // SM's resident CTAs of it at least once; returns whether it did.
 // kTokenMajor (v9): on the (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
-template <typename T, int kVecsPerThread, bool kHfRounding, bool kTokenMajor = false>
+// kWeightsWithRow (v10): below kV9MinWaves waves, the kernel that loads the weights with the row
+// (at most kV10MaxHeldVecs vectors per thread).
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false>
 inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStream_t stream) {
   constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true>;
   constexpr auto token_major_kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true, true>;
+  constexpr bool kHeld = kWeightsWithRow && kVecsPerThread <= kV10MaxHeldVecs;
   const int threads = v3_threads(widest_vecs, kVecsPerThread);
   const int64_t rows = p.num_tokens * kNumTensors;
   if (rows < persistent_grid_limit<kernel>(threads)) return false;
-  if (kTokenMajor && rows >= kV9MinWaves * static_cast<int64_t>(persistent_grid_limit<token_major_kernel>(threads))) {
+  const bool many_waves = rows >= kV9MinWaves * static_cast<int64_t>(persistent_grid_limit<token_major_kernel>(threads));
+  if (kTokenMajor && many_waves) {
     launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, true>(p, widest_vecs, stream);
-  } else {
-    launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true>(p, widest_vecs, stream);
+    return true;
   }
+  if constexpr (kHeld) {
+    if (!many_waves) {
+      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, false, true>(p, widest_vecs, stream);
+      return true;
+    }
+  }
+  launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true>(p, widest_vecs, stream);
   return true;
+}
+
+// v3's rule (the fewest vectors per thread in CTAs of up to kV3MaxThreads): with kWeightsWithRow
+// (v10), the kernel that loads the weights with the row where the call's rows are all resident
+// at once with it. Its extra registers must not cost a wave: at 256 x 8192 bf16 (512 CTAs of 512
+// threads, 2 vectors each) they take 48 registers, 2 CTAs per SM instead of 4, and the call
+// measured 6.94 us against v9's 5.76 (H200, bench harness).
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming, bool kProgrammatic, bool kWeightsWithRow>
+inline void launch_v3_below_a_wave(const Params& p, int widest_vecs, cudaStream_t stream) {
+  if constexpr (kWeightsWithRow && kVecsPerThread <= kV10MaxHeldVecs) {
+    constexpr auto held = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic, false, true>;
+    if (p.num_tokens * kNumTensors <= persistent_grid_limit<held>(v3_threads(widest_vecs, kVecsPerThread))) {
+      return launch_v3_fixed<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic, false, true>(p, widest_vecs,
+                                                                                                     stream);
+    }
+  }
+  launch_v3_fixed<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
 }
 
 // The fewest vectors per thread that fit the wider row in one CTA of at most kV3MaxThreads
@@ -453,7 +581,7 @@ inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStr
 // row in kV7Threads threads (at most kV3MaxVecsPerThread). kTokenMajor (v9): those on the
 // (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
-          bool kTokenMajor = false>
+          bool kTokenMajor = false, bool kWeightsWithRow = false>
 inline void launch_v3(const Params& p, cudaStream_t stream) {
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   if (vector_aligned<T>(p)) {
@@ -462,15 +590,17 @@ inline void launch_v3(const Params& p, cudaStream_t stream) {
       static_assert(kStreaming && kProgrammatic, "v7 builds on v6");
       const int vecs = (widest_vecs + kV7Threads - 1) / kV7Threads;  // per thread, at kV7Threads threads
       const bool fits = widest <= V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden;  // else v2, below
-      if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding, kTokenMajor>(p, widest_vecs, stream)) return;
-      if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding, kTokenMajor>(p, widest_vecs, stream)) return;
-      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding, kTokenMajor>(p, widest_vecs, stream)) {
+      constexpr bool kW = kWeightsWithRow;
+      if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding, kTokenMajor, kW>(p, widest_vecs, stream)) return;
+      if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding, kTokenMajor, kW>(p, widest_vecs, stream)) return;
+      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding, kTokenMajor, kW>(p, widest_vecs, stream)) {
         return;
       }
     }
-    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_fixed<T, 1, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_fixed<T, 2, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
-    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_fixed<T, 4, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
+    constexpr bool kW = kWeightsWithRow;
+    if (widest <= V3Traits<T, 1>::kMaxHidden) return launch_v3_below_a_wave<T, 1, kHfRounding, kStreaming, kProgrammatic, kW>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 2>::kMaxHidden) return launch_v3_below_a_wave<T, 2, kHfRounding, kStreaming, kProgrammatic, kW>(p, widest_vecs, stream);
+    if (widest <= V3Traits<T, 4>::kMaxHidden) return launch_v3_below_a_wave<T, 4, kHfRounding, kStreaming, kProgrammatic, kW>(p, widest_vecs, stream);
     if (widest <= V3Traits<T, 8>::kMaxHidden) return launch_v3_fixed<T, 8, kHfRounding, kStreaming, kProgrammatic>(p, widest_vecs, stream);
   }
   launch_v2<T, kHfRounding>(p, stream);  // general path: any even width, any alignment
@@ -508,12 +638,14 @@ inline size_t v4_shared_bytes(const Params& p) {
 // kFillGpu: v7, v6 with v3's vectors per thread picked for the row count.
 // kTokenMajor: v9, v7's kernels on the (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
-          bool kTokenMajor = false>
+          bool kTokenMajor = false, bool kWeightsWithRow = false>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
   constexpr int kWidestForV3 = kStreaming ? V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden : V3Traits<T, 2>::kMaxHidden;
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   const size_t shared_bytes = widest > kWidestForV3 ? v4_shared_bytes<T, kHfRounding, kStreaming, kProgrammatic>(p) : 0;
-  if (shared_bytes == 0) return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu, kTokenMajor>(p, stream);
+  if (shared_bytes == 0) {
+    return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu, kTokenMajor, kWeightsWithRow>(p, stream);
+  }
   constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding, kStreaming, kProgrammatic>;
   launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(kV4Threads), shared_bytes, stream, p);
 }
@@ -521,13 +653,13 @@ inline void launch_v4(const Params& p, cudaStream_t stream) {
 // v8's dispatch: rows of at most kV8MaxVecs vectors (16-byte aligned) at batches of at least
 // kV8TokensPerVector tokens per vector of a token (q's and k's) run the warp-per-token kernel at
 // the fewest vectors per lane that hold the wider row; the rest run v7 (kTokenMajor: v9's grid).
-template <typename T, bool kHfRounding, bool kTokenMajor = false>
+template <typename T, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false>
 inline void launch_v8(const Params& p, cudaStream_t stream) {
   const int q_vecs = p.q_hidden / Vec<T>::kElems, k_vecs = p.k_hidden / Vec<T>::kElems;
   const int widest_vecs = q_vecs > k_vecs ? q_vecs : k_vecs;
   const bool warp_per_token = vector_aligned<T>(p) && widest_vecs <= kV8MaxVecs &&
                               p.num_tokens >= kV8TokensPerVector * static_cast<int64_t>(q_vecs + k_vecs);
-  if (!warp_per_token) return launch_v4<T, kHfRounding, true, true, true, kTokenMajor>(p, stream);  // v7
+  if (!warp_per_token) return launch_v4<T, kHfRounding, true, true, true, kTokenMajor, kWeightsWithRow>(p, stream);  // v7
   const dim3 grid(static_cast<unsigned>((p.num_tokens + kV8Warps - 1) / kV8Warps));
   const int vecs_per_lane = (widest_vecs + kWarpSize - 1) / kWarpSize;
   auto go = [&](auto kernel) { launch_kernel(true, kernel, grid, dim3(kV8Threads), 0, stream, p); };
@@ -544,13 +676,14 @@ inline bool rows_share_token_stride(const Params& p) {
   return p.q_token_stride == p.k_token_stride && (p.q_token_stride > p.q_hidden || p.k_token_stride > p.k_hidden);
 }
 
-template <typename T, bool kHfRounding>
+// kWeightsWithRow: v10, v9 with the weights loaded with the row below kV9MinWaves waves.
+template <typename T, bool kHfRounding, bool kWeightsWithRow = false>
 inline void launch_v9(const Params& p, cudaStream_t stream) {
   constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1 CTAs along grid.x
   if (rows_share_token_stride(p) && p.num_tokens * kNumTensors <= kMaxGridX) {
-    return launch_v8<T, kHfRounding, true>(p, stream);
+    return launch_v8<T, kHfRounding, true, kWeightsWithRow>(p, stream);
   }
-  launch_v8<T, kHfRounding>(p, stream);
+  launch_v8<T, kHfRounding, false, kWeightsWithRow>(p, stream);
 }
 
 template <typename T, bool kHfRounding>
@@ -564,7 +697,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 6: return launch_v4<T, kHfRounding, true, true>(p, stream);
     case 7: return launch_v4<T, kHfRounding, true, true, true>(p, stream);
     case 8: return launch_v8<T, kHfRounding>(p, stream);
-    default: return launch_v9<T, kHfRounding>(p, stream);
+    case 9: return launch_v9<T, kHfRounding>(p, stream);
+    default: return launch_v9<T, kHfRounding, true>(p, stream);  // v10
   }
 }
 
@@ -577,7 +711,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 9;
+constexpr int kNumVersions = 10;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

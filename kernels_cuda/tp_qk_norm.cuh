@@ -36,6 +36,9 @@ using cross_head_norm::kQ;
 using cross_head_norm::locate_row;
 using cross_head_norm::Params;  // this rank's shard: q_hidden / k_hidden are the SHARD widths
 using cross_head_norm::Row;
+using cross_head_norm::RawWeights;  // weights as loaded: tp v6's batches and v10's held rows
+using cross_head_norm::load_raw_weights;
+using cross_head_norm::effective_weights;
 
 // ------------------------------------------------------------------------------------------
 // v1: the three-launch pipeline: a sum-of-squares kernel writes [T, 2] floats, NCCL all-reduces them, an apply kernel re-reads the shard and writes, both kernels on 16-byte vectors where the rows and weights allow
@@ -426,45 +429,6 @@ __device__ __forceinline__ float stage_and_sum(const TileRow<T>& t, Pack<T, kEle
     for (int c = first; c < packs; c += stride) use(c, src[c]);
   }
   return sum_sq;
-}
-
-// A 16-byte pack's weights as loaded, not yet converted: v6 loads a batch of them before the first
-// conversion waits on one. fp32 weights fill every word; activation-type weights only words[0].
-template <typename T>
-struct RawWeights {
-  static constexpr int kFloatVecs = Vec<T>::kElems / Vec<float>::kElems;
-  uint4 words[kFloatVecs];
-};
-
-template <typename T>
-__device__ __forceinline__ RawWeights<T> load_raw_weights(const Row<T>& r, int col) {
-  RawWeights<T> raw;
-  if (r.w_is_fp32) {
-#pragma unroll
-    for (int v = 0; v < RawWeights<T>::kFloatVecs; ++v) {
-      raw.words[v] = *reinterpret_cast<const uint4*>(static_cast<const float*>(r.w) + col + v * Vec<float>::kElems);
-    }
-  } else {
-    raw.words[0] = *reinterpret_cast<const uint4*>(static_cast<const T*>(r.w) + col);
-  }
-  return raw;
-}
-
-template <typename T, bool kHfRounding>
-__device__ __forceinline__ void effective_weights(const RawWeights<T>& raw, bool w_is_fp32, float weight_offset,
-                                                  float (&w)[Vec<T>::kElems]) {
-  if (w_is_fp32) {
-#pragma unroll
-    for (int v = 0; v < RawWeights<T>::kFloatVecs; ++v) {
-      const Vec<float>& f = *reinterpret_cast<const Vec<float>*>(&raw.words[v]);
-#pragma unroll
-      for (int j = 0; j < Vec<float>::kElems; ++j) w[v * Vec<float>::kElems + j] = f.v[j];
-    }
-  } else {
-    unpack<T>(*reinterpret_cast<const Vec<T>*>(&raw.words[0]), w);
-  }
-#pragma unroll
-  for (int j = 0; j < Vec<T>::kElems; ++j) w[j] = effective_weight<T, kHfRounding>(w[j], weight_offset);
 }
 
 // Phase 4 of one lane: the same packs of row t, from the tile (kStaged) or re-read, normalized

@@ -84,7 +84,7 @@ def test_token_major_grid(impl, shape, fused_qkv):
                                                      ((2048, 8192, 8192), False, False),
                                                      ((1024, 5120, 1024), True, False)])  # 1.9 waves
 def test_v9_dispatch(shape, fused_qkv, token_major):
-    """v9's grid is token-major (the kernel's last template argument) exactly for fused views of
+    """v9's grid is token-major (the kernel's kTokenMajor template argument) exactly for fused views of
     calls of three waves or more."""
     from cookbook import cuda
 
@@ -94,7 +94,38 @@ def test_v9_dispatch(shape, fused_qkv, token_major):
                                                           "fused", version=9))
     v3 = [n for n in names if "cross_head_norm_v3_kernel" in n]
     assert len(v3) == 1, names
-    assert v3[0].split(">(")[0].endswith("true, true, true") == token_major, v3
+    template_args = [a.strip() for a in v3[0].split(">(")[0].split("<", 1)[1].split(",")]
+    assert template_args[5] == ("true" if token_major else "false"), v3  # kTokenMajor
+
+
+# v10 launches v3's kernel with the weights loaded with the row (its last template argument) where
+# a call is fewer than kV9MinWaves (3) waves of resident CTAs at up to 4 vectors per thread: one
+# token (2 vectors of 512 threads in bf16, 4 in float32), 1024 x 4096 in bf16 (1-2 waves),
+# 300 x 1024/256; not at 8 vectors per thread (1024 x 4096 in float32, 32768-wide bf16 rows; the
+# float32 ones take the bulk copy) nor at 8192 x 4096 (many waves: v9's token-major grid).
+@pytest.mark.parametrize("shape, held", [((1, 8192, 8192), {torch.bfloat16: True, torch.float32: True}),
+                                         ((1024, 4096, 4096), {torch.bfloat16: True, torch.float32: False}),
+                                         ((300, 1024, 256), {torch.bfloat16: True, torch.float32: True}),
+                                         ((2, 32768, 1024), {torch.bfloat16: False, torch.float32: False}),
+                                         ((8192, 4096, 4096), {torch.bfloat16: False, torch.float32: False})],
+                         ids=["1x8192", "1024x4096", "300x1024x256", "2x32768x1024", "8192x4096"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda v: str(v).removeprefix("torch."))
+def test_v10_dispatch(shape, held, dtype):
+    """v10 holds the weights with the row exactly in small calls at up to 4 vectors per thread, and
+    agrees with the reference in both roundings with either weight storage."""
+    from cookbook import cuda
+
+    cuda.load(OP)
+    for rounding, weight_dtype in (("fused", torch.float32), ("hf", None)):
+        x = contract.make_inputs(*shape, dtype, "cuda", seed=2, fused_qkv=True, kind="zero_rows",
+                                 weight_dtype=weight_dtype)
+        names = launched_kernels(lambda: cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6,
+                                                              0.5, rounding, version=10))
+        v3 = [n for n in names if "cross_head_norm_v3_kernel" in n]
+        assert any(n.split(">(")[0].endswith("false, true") for n in v3) == held[dtype], names  # kWeightsWithRow
+        x = contract.make_inputs(*shape, dtype, "cuda", seed=3, fused_qkv=True, kind="zero_rows",
+                                 weight_dtype=weight_dtype)
+        run_and_compare(OP, registry.get(OP, "cuda_v10"), x, eps=0.0, weight_offset=0.5, rounding=rounding)
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))

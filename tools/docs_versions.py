@@ -64,7 +64,8 @@ NAMED_KERNELS = {
 # (v4's bulk-copy kernel named), v6 the same launched programmatically, v7 v6 with v3's kernel at
 # up to eight vectors per thread where the rows fill the GPU (the eight-vector kernel named; v8's
 # warp-per-token kernels come out of the pattern as one cell, per vectors per lane), v9 the same
-# kernel on its (token, tensor) grid (named);
+# kernel on its (token, tensor) grid (named), v10 the same with the weights loaded with the row
+# (its four-vector kernel named);
 # qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named; v7's walk, v8's warmed
 # one-row kernel).
 KERNEL_INSTANCES = {
@@ -79,8 +80,9 @@ KERNEL_INSTANCES = {
                 12: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true>"},
     "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, false>",
                         6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>",
-                        7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, false>",
-                        9: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true>"},
+                        7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, false, false>",
+                        9: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false>",
+                        10: "cross_head_norm_v3_kernel<__nv_bfloat16, 4, false, true, true, false, true>"},
     "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false, 0>",
                      6: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 0>",
                      7: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 1>",
