@@ -296,7 +296,9 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
               "v6 launches v5's kernels; v7's rows are its pick where the call's rows fill the GPU, below that it launches v6's; "
               "v8's are its warp-per-token kernel at rows of up to 2048 bf16 elements and at least 18 tokens per 16-byte vector "
               "of a token, below that it launches v7's. v9 launches v8's kernels, v3's on a (token, tensor) grid where q and k "
-              "are views of one tensor: the same resources.)"]
+              "are views of one tensor: the same resources. v10 launches v9's kernels, and in calls of fewer than three waves "
+              "v3's at up to 4 vectors per thread with the weights loaded with the row: 32, 48 and 64 registers at 1, 2 and 4 "
+              "vectors per thread, where the rows stay resident at once (or fill one to three waves of v7's CTAs).)"]
     return "\n".join(lines)
 
 
