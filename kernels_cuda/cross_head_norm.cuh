@@ -251,7 +251,7 @@ __device__ __forceinline__ void effective_weights(const RawWeights<T>& raw, bool
   for (int j = 0; j < Vec<T>::kElems; ++j) w[j] = effective_weight<T, kHfRounding>(w[j], weight_offset);
 }
 
-// v10: a thread's weight vectors for the same slots as load_row_vectors, loaded before any is used.
+// For v10: a thread's weight vectors for the same slots as load_row_vectors, loaded before any is used.
 template <typename T, int kVecs>
 __device__ __forceinline__ void load_row_weights(const Row<T>& r, int first, int stride, RawWeights<T> (&w)[kVecs]) {
   const int num_vecs = r.hidden / Vec<T>::kElems;
