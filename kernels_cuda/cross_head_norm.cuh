@@ -676,11 +676,17 @@ inline bool rows_share_token_stride(const Params& p) {
   return p.q_token_stride == p.k_token_stride && (p.q_token_stride > p.q_hidden || p.k_token_stride > p.k_hidden);
 }
 
+// Where v9's (token, tensor) grid may run: rows sharing a token stride, and grid.x room for them
+// (tp_qk_norm's v1 kernels take the same grid on the same condition).
+inline bool token_major_grid_fits(const Params& p) {
+  constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1 CTAs along grid.x
+  return rows_share_token_stride(p) && p.num_tokens * kNumTensors <= kMaxGridX;
+}
+
 // kWeightsWithRow: v10, v9 with the weights loaded with the row below kV9MinWaves waves.
 template <typename T, bool kHfRounding, bool kWeightsWithRow = false>
 inline void launch_v9(const Params& p, cudaStream_t stream) {
-  constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1 CTAs along grid.x
-  if (rows_share_token_stride(p) && p.num_tokens * kNumTensors <= kMaxGridX) {
+  if (token_major_grid_fits(p)) {
     return launch_v8<T, kHfRounding, true, kWeightsWithRow>(p, stream);
   }
   launch_v8<T, kHfRounding, false, kWeightsWithRow>(p, stream);

@@ -146,10 +146,7 @@ inline bool v1_vector_path(const Params& p) {
   return cross_head_norm::vector_aligned<T>(p);
 }
 
-inline bool v1_token_major(const Params& p) {
-  constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1 CTAs along grid.x
-  return cross_head_norm::rows_share_token_stride(p) && p.num_tokens * kNumTensors <= kMaxGridX;
-}
+inline bool v1_token_major(const Params& p) { return cross_head_norm::token_major_grid_fits(p); }
 
 inline dim3 v1_vec_grid(const Params& p, bool token_major) {
   if (token_major) return dim3(static_cast<unsigned>(p.num_tokens * kNumTensors));
@@ -1031,9 +1028,9 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
 // 1. Phase 4's only global loads are the weights, and 2000 cycles is a memory round trip plus
 // the work. Here a lane issues its x loads and its raw weight loads in one batch in phase 1, so
 // both round trips overlap, and phase 4 reads only registers. A lane holds up to
-// kHeldPacksPerLane packs of x and of weights (64 registers in bf16 with fp32 weights: occupancy
-// does not matter at these sizes, one CTA per SM); wider rows, and unaligned ones, keep v9's
-// kernel. The exchange (phase 2+3) is v4's, shared with v3-v9's decode kernel.
+// kHeldPacksPerLane packs of x and of weights (ptxas: 128 registers in bf16, 102 in fp32, 142-145
+// in fp16, no spill; occupancy does not matter at these sizes, one CTA per SM); wider rows, and
+// unaligned ones, keep v9's kernel. The exchange (phase 2+3) is v4's, shared with v3-v9's decode kernel.
 // ------------------------------------------------------------------------------------------
 constexpr int kHeldPacksPerLane = 8;  // 8 x 16 bytes of x and 8 (16 or 32 bytes) of weights
 
