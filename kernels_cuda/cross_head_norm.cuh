@@ -18,6 +18,7 @@
 // v8: v7 with, at narrow rows (up to 256 vectors, 2048 bf16 elements) and many tokens, one warp per token: q's row then k's, four tokens per CTA, no block barrier - removes v7's two small CTAs per token there (tensor-parallel shards, small models), whose dispatch, not their bytes, set the time
 // v9: v8 with, where q and k are views of one tensor of token rows (a fused qkv projection) and the rows fill the GPU at least three times, the CTAs of a token's q row and k row launched next to each other instead of all q rows before all k rows - removes v8's sparse streams over the fused rows: the rows in flight together now lie side by side in memory (at q, k and v 8192 bf16 wide, 32 KiB of every 48 KiB instead of 16)
 // v10: v9 with, at calls of fewer than three waves of CTAs (decode and small batches), each thread's weight vectors loaded right after its row, before the block sum, and held in registers until the store - removes the weight loads that v3-v9 issue after the reduction: a memory round trip on the critical path of every CTA, which only calls of many waves hide
+// v11: v10 with, at calls of one to three waves of CTAs, each CTA warming into L2 the row of the CTA a wave after it once its own row's loads are issued - removes the DRAM round trip that every CTA of the later waves waited for before its block sum (qk_norm_rope v9 found it)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -39,6 +40,7 @@ struct Params {
   int64_t q_token_stride, k_token_stride;  // in elements
   float eps;
   float weight_offset;
+  int64_t rows_ahead;  // v11: a wave of resident CTAs, how far ahead in grid order a CTA warms a row (the launcher sets it)
 };
 
 // Which tensor a CTA normalizes: blockIdx.y in v2 and v3, an index into v1's two sums.
@@ -283,13 +285,28 @@ __device__ __forceinline__ void store_row_vectors_held(const Row<T>& r, int firs
   }
 }
 
+// For v11: the row of the CTA p.rows_ahead after this one in grid order (a CTA of the next wave)
+// brought into L2, one prefetch per 128-byte line, spread over the block's threads.
+template <typename T, bool kTokenMajor>
+__device__ __forceinline__ void warm_row_ahead(const Params& p) {
+  const int64_t cta = kTokenMajor ? static_cast<int64_t>(blockIdx.x)
+                                  : static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const int64_t ahead = cta + p.rows_ahead;
+  const int64_t token = kTokenMajor ? ahead / kNumTensors : ahead % gridDim.x;
+  const int64_t tensor = kTokenMajor ? ahead % kNumTensors : ahead / gridDim.x;
+  if (tensor >= kNumTensors || token >= p.num_tokens) return;
+  const Row<T> r = locate_row<T>(p, token, static_cast<int>(tensor));
+  for (int col = threadIdx.x * kL2LineElems<T>; col < r.hidden; col += blockDim.x * kL2LineElems<T>) warm_l2(r.x + col);
+}
+
 // kStreaming (v5): x is read and written by streaming global accesses (load_vec_streaming).
 // kProgrammatic (v6): launched programmatically, so nothing is read before after_prior_grids.
 // kTokenMajor (v9): grid.x walks (token, tensor) pairs, CTA 2t + tensor normalizing token t's row.
 // kWeightsWithRow (v10): the thread's weight vectors are loaded right after its row, before the
 // block sum, and held in registers until the store.
+// kWarmAhead (v11): once the row's loads are issued, the row a wave ahead is warmed into L2.
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false,
-          bool kTokenMajor = false, bool kWeightsWithRow = false>
+          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false>
 __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Params p) {
   static_assert(kVecsPerThread >= 1 && kVecsPerThread <= kV3MaxVecsPerThread, "a thread holds 1..8 vectors");
   if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
@@ -300,11 +317,13 @@ __global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Param
     RawWeights<T> w[kVecsPerThread];
     load_row_weights<T, kVecsPerThread>(r, threadIdx.x, blockDim.x, w);  // issued before the sum waits on x
     const float sum_sq = load_row_vectors<T, kVecsPerThread, kStreaming>(r, threadIdx.x, blockDim.x, x);
+    if constexpr (kWarmAhead) warm_row_ahead<T, kTokenMajor>(p);
     const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
     store_row_vectors_held<T, kVecsPerThread, kHfRounding, kStreaming>(r, threadIdx.x, blockDim.x, x, w, rstd,
                                                                        p.weight_offset);
   } else {
     const float sum_sq = load_row_vectors<T, kVecsPerThread, kStreaming>(r, threadIdx.x, blockDim.x, x);
+    if constexpr (kWarmAhead) warm_row_ahead<T, kTokenMajor>(p);
     const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
     store_row_vectors<T, kVecsPerThread, kHfRounding, kStreaming>(r, threadIdx.x, blockDim.x, x, rstd, p.weight_offset);
   }
@@ -489,6 +508,18 @@ constexpr int kV10MaxHeldVecs = 4;
 static_assert(kV10MaxHeldVecs <= kV3MaxVecsPerThread, "v10 holds at most v3's vectors per thread");
 
 // ------------------------------------------------------------------------------------------
+// v11: v10 with, at calls of one to three waves of CTAs, each CTA warming into L2 the row of the CTA a wave after it once its own row's loads are issued - removes the DRAM round trip that every CTA of the later waves waited for before its block sum (qk_norm_rope v9 found it)
+// v3's kernel with kWarmAhead (and, at up to kV10MaxHeldVecs vectors per thread, v10's held
+// weights): p.rows_ahead is the launch's resident CTAs, so the row warmed is the one that a CTA
+// of the next wave will take, and that CTA finds it in L2. One prefetch.global.L2 per 128-byte
+// line, spread over the block, issued after the CTA's own loads; no register is held for it.
+// Only where v9 keeps the (tokens, 2) grid, below kV9MinWaves waves: with many waves the CTAs in
+// flight alone keep the DRAM busy, and a second request per line costs (bench harness, `build/`
+// probe, H100, us, v10 -> v10 with the warm at every size): 1024 x 4096 (1.9 waves) 13.48 ->
+// 12.72, 1024 x 5120/1024 11.05 -> 10.21, 4096 x 6144/1024 42.03 -> 41.39, but 2048 x 8192 (3.9
+// waves) 48.95 -> 49.73 and 8192 x 8192 186.2 -> 189.0. docs/cross_head_norm.md has the H200
+// page.
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 inline dim3 token_tensor_grid(const Params& p) {
@@ -513,12 +544,15 @@ inline int v3_threads(int widest_vecs, int vecs_per_thread) {
 }
 
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming, bool kProgrammatic,
-          bool kTokenMajor = false, bool kWeightsWithRow = false>
-inline void launch_v3_fixed(const Params& p, int widest_vecs, cudaStream_t stream) {
+          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false>
+inline void launch_v3_fixed(const Params& params, int widest_vecs, cudaStream_t stream) {
   constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic,
-                                                    kTokenMajor, kWeightsWithRow>;
+                                                    kTokenMajor, kWeightsWithRow, kWarmAhead>;
+  const int threads = v3_threads(widest_vecs, kVecsPerThread);
+  Params p = params;
+  if constexpr (kWarmAhead) p.rows_ahead = persistent_grid_limit<kernel>(threads);  // v11: a wave of CTAs
   const dim3 grid = kTokenMajor ? dim3(static_cast<unsigned>(p.num_tokens * kNumTensors)) : token_tensor_grid(p);
-  launch_kernel(kProgrammatic, kernel, grid, dim3(v3_threads(widest_vecs, kVecsPerThread)), 0, stream, p);
+  launch_kernel(kProgrammatic, kernel, grid, dim3(threads), 0, stream, p);
 }
 
 // The 16-byte path needs every row and both weights to start on 16-byte boundaries.
@@ -534,8 +568,10 @@ inline bool vector_aligned(const Params& p) {
 // SM's resident CTAs of it at least once; returns whether it did.
 // kTokenMajor (v9): on the (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 // kWeightsWithRow (v10): below kV9MinWaves waves, the kernel that loads the weights with the row
-// (at most kV10MaxHeldVecs vectors per thread).
-template <typename T, int kVecsPerThread, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false>
+// (at most kV10MaxHeldVecs vectors per thread). kWarmAhead (v11): below kV9MinWaves waves, the
+// kernels that warm the row a wave ahead.
+template <typename T, int kVecsPerThread, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false,
+          bool kWarmAhead = false>
 inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStream_t stream) {
   constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true>;
   constexpr auto token_major_kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true, true>;
@@ -548,9 +584,13 @@ inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStr
     launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, true>(p, widest_vecs, stream);
     return true;
   }
-  if constexpr (kHeld) {
-    if (!many_waves) {
-      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, false, true>(p, widest_vecs, stream);
+  if (!many_waves) {
+    if constexpr (kHeld) {
+      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, false, true, kWarmAhead>(p, widest_vecs, stream);
+      return true;
+    }
+    if constexpr (kWarmAhead) {
+      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, false, false, true>(p, widest_vecs, stream);
       return true;
     }
   }
@@ -581,7 +621,7 @@ inline void launch_v3_below_a_wave(const Params& p, int widest_vecs, cudaStream_
 // row in kV7Threads threads (at most kV3MaxVecsPerThread). kTokenMajor (v9): those on the
 // (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
-          bool kTokenMajor = false, bool kWeightsWithRow = false>
+          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false>
 inline void launch_v3(const Params& p, cudaStream_t stream) {
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   if (vector_aligned<T>(p)) {
@@ -590,10 +630,10 @@ inline void launch_v3(const Params& p, cudaStream_t stream) {
       static_assert(kStreaming && kProgrammatic, "v7 builds on v6");
       const int vecs = (widest_vecs + kV7Threads - 1) / kV7Threads;  // per thread, at kV7Threads threads
       const bool fits = widest <= V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden;  // else v2, below
-      constexpr bool kW = kWeightsWithRow;
-      if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding, kTokenMajor, kW>(p, widest_vecs, stream)) return;
-      if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding, kTokenMajor, kW>(p, widest_vecs, stream)) return;
-      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding, kTokenMajor, kW>(p, widest_vecs, stream)) {
+      constexpr bool kW = kWeightsWithRow, kA = kWarmAhead;
+      if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding, kTokenMajor, kW, kA>(p, widest_vecs, stream)) return;
+      if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding, kTokenMajor, kW, kA>(p, widest_vecs, stream)) return;
+      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding, kTokenMajor, kW, kA>(p, widest_vecs, stream)) {
         return;
       }
     }
@@ -638,13 +678,14 @@ inline size_t v4_shared_bytes(const Params& p) {
 // kFillGpu: v7, v6 with v3's vectors per thread picked for the row count.
 // kTokenMajor: v9, v7's kernels on the (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
-          bool kTokenMajor = false, bool kWeightsWithRow = false>
+          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
   constexpr int kWidestForV3 = kStreaming ? V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden : V3Traits<T, 2>::kMaxHidden;
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   const size_t shared_bytes = widest > kWidestForV3 ? v4_shared_bytes<T, kHfRounding, kStreaming, kProgrammatic>(p) : 0;
   if (shared_bytes == 0) {
-    return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu, kTokenMajor, kWeightsWithRow>(p, stream);
+    return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu, kTokenMajor, kWeightsWithRow, kWarmAhead>(p,
+                                                                                                              stream);
   }
   constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding, kStreaming, kProgrammatic>;
   launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(kV4Threads), shared_bytes, stream, p);
@@ -653,13 +694,15 @@ inline void launch_v4(const Params& p, cudaStream_t stream) {
 // v8's dispatch: rows of at most kV8MaxVecs vectors (16-byte aligned) at batches of at least
 // kV8TokensPerVector tokens per vector of a token (q's and k's) run the warp-per-token kernel at
 // the fewest vectors per lane that hold the wider row; the rest run v7 (kTokenMajor: v9's grid).
-template <typename T, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false>
+template <typename T, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false>
 inline void launch_v8(const Params& p, cudaStream_t stream) {
   const int q_vecs = p.q_hidden / Vec<T>::kElems, k_vecs = p.k_hidden / Vec<T>::kElems;
   const int widest_vecs = q_vecs > k_vecs ? q_vecs : k_vecs;
   const bool warp_per_token = vector_aligned<T>(p) && widest_vecs <= kV8MaxVecs &&
                               p.num_tokens >= kV8TokensPerVector * static_cast<int64_t>(q_vecs + k_vecs);
-  if (!warp_per_token) return launch_v4<T, kHfRounding, true, true, true, kTokenMajor, kWeightsWithRow>(p, stream);  // v7
+  if (!warp_per_token) {  // v7's kernels
+    return launch_v4<T, kHfRounding, true, true, true, kTokenMajor, kWeightsWithRow, kWarmAhead>(p, stream);
+  }
   const dim3 grid(static_cast<unsigned>((p.num_tokens + kV8Warps - 1) / kV8Warps));
   const int vecs_per_lane = (widest_vecs + kWarpSize - 1) / kWarpSize;
   auto go = [&](auto kernel) { launch_kernel(true, kernel, grid, dim3(kV8Threads), 0, stream, p); };
@@ -684,12 +727,13 @@ inline bool token_major_grid_fits(const Params& p) {
 }
 
 // kWeightsWithRow: v10, v9 with the weights loaded with the row below kV9MinWaves waves.
-template <typename T, bool kHfRounding, bool kWeightsWithRow = false>
+// kWarmAhead: v11, v10 with the row a wave ahead warmed below kV9MinWaves waves.
+template <typename T, bool kHfRounding, bool kWeightsWithRow = false, bool kWarmAhead = false>
 inline void launch_v9(const Params& p, cudaStream_t stream) {
   if (token_major_grid_fits(p)) {
-    return launch_v8<T, kHfRounding, true, kWeightsWithRow>(p, stream);
+    return launch_v8<T, kHfRounding, true, kWeightsWithRow, kWarmAhead>(p, stream);
   }
-  launch_v8<T, kHfRounding, false, kWeightsWithRow>(p, stream);
+  launch_v8<T, kHfRounding, false, kWeightsWithRow, kWarmAhead>(p, stream);
 }
 
 template <typename T, bool kHfRounding>
@@ -704,7 +748,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 7: return launch_v4<T, kHfRounding, true, true, true>(p, stream);
     case 8: return launch_v8<T, kHfRounding>(p, stream);
     case 9: return launch_v9<T, kHfRounding>(p, stream);
-    default: return launch_v9<T, kHfRounding, true>(p, stream);  // v10
+    case 10: return launch_v9<T, kHfRounding, true>(p, stream);
+    default: return launch_v9<T, kHfRounding, true, true>(p, stream);  // v11
   }
 }
 
@@ -717,7 +762,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 10;
+constexpr int kNumVersions = 11;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

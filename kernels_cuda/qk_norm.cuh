@@ -20,6 +20,7 @@
 // v10: v9 with head_dims of a whole number of 16-byte vectors that is not a power of two (80, 96, 160, 192) on the vector path: a row's lane group is padded to the next power of two of lanes, and the lanes past its last vector hold none - removes v9's fall back to v2 (a warp per row, one element per load) at those head_dims, where torch.compile was faster
 // v11: v10 with the one-trip kernel at every size: a grid of all the call's rows, which the hardware's block scheduler hands out to SMs as they free a slot - removes the persistent grid's fixed share of rows per SM, which held streaming kernels to 88-90 % of the copy on the H200 where a grid of all rows reached 96-98 %
 // v12: v11 with q's and k's weights prefetched into L2 by two lane groups of the first block before the wait, while the previous kernel still runs - removes the weights' DRAM round trip from a decode call, which the one-token probe put at 0.25 of its 1.17 us
+// v13: v12 with, at calls of two to eight waves of blocks, each lane group warming into L2 the row a wave of blocks ahead of its own once its row's loads are issued - removes the DRAM round trip that every block of the later waves waited for before its first sum (qk_norm_rope v9 found it)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -45,6 +46,7 @@ struct Params {
   float eps;
   float weight_offset;
   FastDivisor heads_divisor;  // num_q_heads + num_kv_heads, for v8 (`launch` sets it)
+  uint32_t rows_ahead;        // v13: a wave of the one-trip grid's rows, how far ahead a lane group warms (the launcher sets it)
 };
 
 // One (token, head) row: where it lives and which weight it uses.
@@ -351,7 +353,10 @@ constexpr int kNumWeights = 2;  // q's and k's
 // loads are L2 hits. One group per weight for the whole call: when every lane group warmed its
 // own row's weight, thousands of prefetches of the same two lines (most likely queued at their
 // L2 slices) slowed the call 2-3x from 64 tokens up (docs/qk_norm.md).
-template <typename T, int kHeadDim, bool kHfRounding, bool kWeightVectors, bool kWarmWeights = false>
+// kWarmAhead (v13): once its row's loads are issued, a lane group brings into L2 the row
+// p.rows_ahead further on in grid order, by the lanes whose vectors start an L2 line.
+template <typename T, int kHeadDim, bool kHfRounding, bool kWeightVectors, bool kWarmWeights = false,
+          bool kWarmAhead = false>
 __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_one_trip_kernel(Params p, uint32_t rows) {
   using Tr = V3Traits<T, kHeadDim>;
@@ -386,6 +391,16 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
     } else {
 #pragma unroll
       for (int j = 0; j < Tr::kVecElems; ++j) packed[i].v[j] = from_float<T>(0.f);
+    }
+  }
+  if constexpr (kWarmAhead) {  // v13: the row a wave ahead
+    if (active && p.rows_ahead < rows - row) {
+      const Row<T> ahead = locate_row<T, uint32_t, true>(p, row + p.rows_ahead);
+#pragma unroll
+      for (int i = 0; i < Tr::kVecsPerThread; ++i) {
+        const int column = lane_column<Tr>(lane, i, 0);
+        if (lane_has_vector<Tr>(lane, i) && column % kL2LineElems<T> == 0) warm_l2(ahead.x + column);
+      }
     }
   }
   float w[Tr::kVecsPerThread][Tr::kVecElems] = {};  // 2. its weight, while the row is in flight
@@ -456,6 +471,21 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // lane group per weight and block still lost at 1024 x 8/1 (5.0 us). docs/qk_norm.md has the
 // sweep.
 // ------------------------------------------------------------------------------------------
+// v13: v12 with, at calls of two to eight waves of blocks, each lane group warming into L2 the row a wave of blocks ahead of its own once its row's loads are issued - removes the DRAM round trip that every block of the later waves waited for before its first sum (qk_norm_rope v9 found it)
+// The one-trip kernel with kWarmAhead: p.rows_ahead is a wave of resident blocks' rows, so the
+// row warmed is the one a block of the next wave will take, and that block finds it in L2. One
+// prefetch per 128-byte line, issued after the lane group's own loads; no register is held for
+// it. Only up to kV13MaxWaves waves: at many waves the blocks in flight alone keep the DRAM busy,
+// and a second request per line costs (bench harness, `build/` probe, H100, us, v12 -> v12 with
+// the warm at every size): 8192 x 8/1 heads (4.4 waves) 14.41 -> 14.00, 1024 x 64/8 14.50 ->
+// 14.07, 2048 x 16/4 heads of 256 (4.8 waves) 16.26 -> 15.65, 8192 x 32/8 heads of 64 (9.7
+// waves) 29.94 -> 29.88, 8192 x 64/8 (35 waves) 103.4 -> 104.1. Calls of one wave have no row a
+// wave ahead. docs/qk_norm.md has the H200 page.
+// ------------------------------------------------------------------------------------------
+constexpr int kV13MaxWaves = 8;
+static_assert(kV13MaxWaves >= 2, "v13 warms calls of at least two waves");
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -485,7 +515,8 @@ inline void launch_persistent(bool programmatic, const Params& p, int64_t rows, 
 // a call that needs two trips of v6's grid fit in one; 8: v7 with the fast division; 9: v8, or
 // the one-trip kernel where the rows fit in one trip of v8's grid; 10: v9 (launch_v3 adds the
 // padded head_dims); 11: the one-trip kernel on a grid of all rows, at every size; 12: v11
-// with the weights warmed before the wait.
+// with the weights warmed before the wait; 13: v12 with the row a wave ahead warmed at two to
+// kV13MaxWaves waves.
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
@@ -507,6 +538,18 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
       constexpr bool kWarm = kVersion >= 12;  // v12: the weights warmed before the wait
       constexpr auto one_trip_vectors = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, true, kWarm>;
       constexpr auto one_trip_elements = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, false, kWarm>;
+      if constexpr (kVersion >= 13) {  // v13: calls of more than one and at most kV13MaxWaves waves
+        constexpr auto ahead_vectors = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, true, kWarm, true>;
+        constexpr auto ahead_elements = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, false, kWarm, true>;
+        const int64_t wave = static_cast<int64_t>(persistent_grid_limit<ahead_vectors>(Tr::kThreadsPerBlock)) * Tr::kHeadsPerBlock;
+        if (rows > wave && rows <= kV13MaxWaves * wave) {
+          Params ahead = p;
+          ahead.rows_ahead = static_cast<uint32_t>(wave);
+          launch_kernel(true, weight_vectors ? ahead_vectors : ahead_elements, dim3(blocks), dim3(Tr::kThreadsPerBlock),
+                        0, stream, ahead, static_cast<uint32_t>(rows));
+          return;
+        }
+      }
       launch_kernel(true, weight_vectors ? one_trip_vectors : one_trip_elements, dim3(blocks),
                     dim3(Tr::kThreadsPerBlock), 0, stream, p, static_cast<uint32_t>(rows));
       return;
@@ -573,7 +616,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 9: return launch_v3<T, kHfRounding, 9>(p, rows, stream);
     case 10: return launch_v3<T, kHfRounding, 10>(p, rows, stream);
     case 11: return launch_v3<T, kHfRounding, 11>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding, 12>(p, rows, stream);
+    case 12: return launch_v3<T, kHfRounding, 12>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 13>(p, rows, stream);
   }
 }
 
@@ -586,7 +630,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 12;
+constexpr int kNumVersions = 13;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& params, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

@@ -335,21 +335,23 @@ else:
     # From the mangled names, which read the same whatever demangler a machine has:
     # cross_head_norm_v3_kernelI13__nv_bfloat16Li8ELb0ELb1ELb1ELb0ELb0EE is v3<bf16, 8 vectors per
     # thread, fused rounding, streaming x, programmatic launch, (tokens, 2) grid, weights loaded
-    # after the block sum> (an instance v6 and v7 launch); v9's instances on the (token, tensor)
-    # grid (fifth flag 1) have the same registers and are left out; v10's instances with the
-    # weights loaded with the row (last flag 1) are listed.
+    # after the block sum, no row warmed ahead> (an instance v6 and v7 launch); v9's instances on
+    # the (token, tensor) grid (fifth flag 1) have the same registers and are left out; v10's
+    # instances with the weights loaded with the row (sixth flag 1) and v11's that warm the row a
+    # wave ahead (last flag 1) are listed.
     bf16_fused = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E(?:Lb([01])E)?(?:Lb([01])E)?"
-                            r"(?:Lb([01])E)?(?:Lb([01])E)?")
-    found = sorted(((int(m.group(1)), int(m.group(2) or 0), m.group(3) == "1", m.group(4) == "1", m.group(6) == "1"), k)
+                            r"(?:Lb([01])E)?(?:Lb([01])E)?(?:Lb([01])E)?")
+    found = sorted(((int(m.group(1)), int(m.group(2) or 0), m.group(3) == "1", m.group(4) == "1", m.group(6) == "1",
+                     m.group(7) == "1"), k)
                    for k in nvcc_report.compile_header(OP) if (m := bf16_fused.search(k.mangled)) and m.group(5) != "1")
     print("| kernel | vectors per thread (v8: per lane) | streaming x (v5 on) | programmatic (v6 on) "
-          "| weights with the row (v10) | registers | spill bytes |")
-    print("|---|---|---|---|---|---|---|")
-    for (version, vecs, streaming, programmatic, held), k in found:
+          "| weights with the row (v10) | row a wave ahead warmed (v11) | registers | spill bytes |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (version, vecs, streaming, programmatic, held, ahead), k in found:
         if version == 8:  # v8's warp-per-token kernel always streams and launches programmatically
             streaming = programmatic = True
         print(f"| v{version} | {vecs or '-'} | {'yes' if streaming else 'no'} | {'yes' if programmatic else 'no'} "
-              f"| {'yes' if held else 'no'} | {k.registers} | {k.spill_bytes} |")
+              f"| {'yes' if held else 'no'} | {'yes' if ahead else 'no'} | {k.registers} | {k.spill_bytes} |")
     print()
     print(docs_versions.occupancy_table(OP))
 

@@ -80,6 +80,11 @@ def test_token_major_grid(impl, shape, fused_qkv):
     run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=0.5, rounding="hf")
 
 
+def template_args(kernel_name: str) -> list[str]:
+    """The template arguments of a profiler kernel name such as `ns::kernel<a, b>(Params)`."""
+    return [a.strip() for a in kernel_name.split(">(")[0].split("<", 1)[1].split(",")]
+
+
 @pytest.mark.parametrize("shape, fused_qkv, token_major", [((2048, 8192, 8192), True, True),
                                                      ((2048, 8192, 8192), False, False),
                                                      ((1024, 5120, 1024), True, False)])  # 1.9 waves
@@ -94,8 +99,7 @@ def test_v9_dispatch(shape, fused_qkv, token_major):
                                                           "fused", version=9))
     v3 = [n for n in names if "cross_head_norm_v3_kernel" in n]
     assert len(v3) == 1, names
-    template_args = [a.strip() for a in v3[0].split(">(")[0].split("<", 1)[1].split(",")]
-    assert template_args[5] == ("true" if token_major else "false"), v3  # kTokenMajor
+    assert template_args(v3[0])[5] == ("true" if token_major else "false"), v3  # kTokenMajor
 
 
 # v10 launches v3's kernel with the weights loaded with the row (its last template argument) where
@@ -121,11 +125,34 @@ def test_v10_dispatch(shape, held, dtype):
                                  weight_dtype=weight_dtype)
         names = launched_kernels(lambda: cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6,
                                                               0.5, rounding, version=10))
-        v3 = [n for n in names if "cross_head_norm_v3_kernel" in n]
-        assert any(n.split(">(")[0].endswith("false, true") for n in v3) == held[dtype], names  # kWeightsWithRow
+        v3 = [template_args(n) for n in names if "cross_head_norm_v3_kernel" in n]
+        assert any(args[6] == "true" for args in v3) == held[dtype], names  # kWeightsWithRow
         x = contract.make_inputs(*shape, dtype, "cuda", seed=3, fused_qkv=True, kind="zero_rows",
                                  weight_dtype=weight_dtype)
         run_and_compare(OP, registry.get(OP, "cuda_v10"), x, eps=0.0, weight_offset=0.5, rounding=rounding)
+
+
+# v11 warms the row a wave ahead (the kernel's last template argument) where v9 keeps the (tokens,
+# 2) grid with at least one wave and fewer than kV9MinWaves (3): 1025 x 4096 (v10's held kernel,
+# 1.9 waves) and 1023 x 5120/1024 (8 vectors per thread, not held), not at one token (below a
+# wave) nor at 2048 x 8192 fused (3.9 waves, token-major).
+@pytest.mark.parametrize("shape, ahead", [((1025, 4096, 4096), True), ((1023, 5120, 1024), True),
+                                          ((1, 8192, 8192), False), ((2048, 8192, 8192), False)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_v11_dispatch(shape, ahead):
+    from cookbook import cuda
+
+    cuda.load(OP)
+    for rounding, weight_dtype in (("fused", torch.float32), ("hf", None)):
+        x = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=6, fused_qkv=True, kind="zero_rows",
+                                 weight_dtype=weight_dtype)
+        names = launched_kernels(lambda: cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 0.0,
+                                                              0.5, rounding, version=11))
+        v3 = [template_args(n) for n in names if "cross_head_norm_v3_kernel" in n]
+        assert len(v3) == 1 and (v3[0][7] == "true") == ahead, names  # kWarmAhead
+        x = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=7, fused_qkv=True, kind="zero_rows",
+                                 weight_dtype=weight_dtype)
+        run_and_compare(OP, registry.get(OP, "cuda_v11"), x, eps=0.0, weight_offset=0.5, rounding=rounding)
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))

@@ -136,13 +136,15 @@ def test_padded_dispatch(version, head_dim, tokens, kernel):
 @pytest.mark.parametrize("version, tokens, kernel", [
     (11, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128,"), (10, 8192, "qk_norm_v3_kernel<__nv_bfloat16, 128,"),
     (11, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128,"),
-    (12, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true>"),
-    (12, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true>"),
-    (11, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, false>")])
+    (12, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false>"),
+    (12, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false>"),
+    (11, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, false, false>"),
+    (13, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false>"),
+    (13, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false>")])
 def test_grid_of_all_rows_dispatch(version, tokens, kernel):
     """v11 runs the one-trip kernel at every size; v10 only where the rows fit in one trip of its
     persistent grid (8192 tokens x 72 heads walk it several times); v12 is v11's kernel with the
-    weights warmed, at every size."""
+    weights warmed, at every size; v13 keeps it at one wave and at many (35 waves here)."""
     from cookbook import cuda
 
     cuda.load(OP)
@@ -150,6 +152,29 @@ def test_grid_of_all_rows_dispatch(version, tokens, kernel):
     names = launched_kernels(lambda: cuda.qk_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused",
                                                   version=version))
     assert any(kernel in name for name in names), names
+
+
+# v13 warms the row a wave ahead (the kernel's last template argument) in calls of two to
+# kV13MaxWaves (8) waves: 8193 tokens x 8/1 heads is 4.4 waves of 16-row blocks on a 132-SM
+# H100/H200, 2049 x 16/4 heads of 256 (8-row blocks) 4.9; 8192 x 64/8 is 35 waves and 64 tokens
+# less than one. Odd token counts, zero rows at eps=0, float32 weights, both roundings.
+@pytest.mark.parametrize("shape, ahead", [((8193, 8, 1, 128), True), ((2049, 16, 4, 256), True),
+                                          ((8192, 64, 8, 128), False), ((64, 64, 8, 128), False)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_v13_rows_ahead(shape, ahead):
+    from cookbook import cuda
+
+    cuda.load(OP)
+    for rounding, weight_dtype in (("fused", torch.float32), ("hf", None)):
+        x = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=4, fused_qkv=True, kind="zero_rows",
+                                 weight_dtype=weight_dtype)
+        names = launched_kernels(lambda: cuda.qk_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 0.0, 0.5, rounding,
+                                                      version=13))
+        trip = [n for n in names if "qk_norm_one_trip_kernel" in n]
+        assert len(trip) == 1 and trip[0].split(">(")[0].endswith("true, true, " + str(ahead).lower()), names
+        x = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=5, fused_qkv=True, kind="zero_rows",
+                                 weight_dtype=weight_dtype)
+        run_and_compare(OP, registry.get(OP, "cuda_v13"), x, eps=0.0, weight_offset=0.5, rounding=rounding)
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))

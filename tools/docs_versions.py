@@ -60,33 +60,36 @@ NAMED_KERNELS = {
 # v6 also a programmatic launch; v7 two rows per lane group, its kernel for one to two trips named;
 # v8 the fast row division; v9 its one-trip kernel at decode sizes, with 16-byte weights, named;
 # v10 the persistent kernel at head_dim 96, a padded lane group, named; v12 its one-trip kernel
-# with the weights warmed, named); cross_head_norm v5 is v4's dispatch with streaming kernels
-# (v4's bulk-copy kernel named), v6 the same launched programmatically, v7 v6 with v3's kernel at
+# with the weights warmed, named; v13 the same warming the row a wave ahead, named);
+# cross_head_norm v5 is v4's dispatch with streaming kernels (v4's bulk-copy kernel named), v6 the same launched programmatically, v7 v6 with v3's kernel at
 # up to eight vectors per thread where the rows fill the GPU (the eight-vector kernel named; v8's
 # warp-per-token kernels come out of the pattern as one cell, per vectors per lane), v9 the same
 # kernel on its (token, tensor) grid (named), v10 the same with the weights loaded with the row
-# (its four-vector kernel named);
+# (its four-vector kernel named), v11 that kernel warming the row a wave ahead (named);
 # qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named; v7's walk, v8's warmed
-# one-row kernel).
+# one-row kernel, v9's one-row kernel that warms the row a wave ahead).
 KERNEL_INSTANCES = {
     "qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, false, false, 1, false>",
                 5: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, false, 1, false>",
                 6: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, false>",
                 7: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 2, false>",
                 8: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, true, 1, true>",
-                9: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, false>",
+                9: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, false, false>",
                 10: "qk_norm_v3_kernel<__nv_bfloat16, 96, false, unsigned int, true, true, 1, true>",
-                11: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, false>",
-                12: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true>"},
+                11: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, false, false>",
+                12: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false>",
+                13: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, true>"},
     "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, false>",
                         6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>",
-                        7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, false, false>",
-                        9: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false>",
-                        10: "cross_head_norm_v3_kernel<__nv_bfloat16, 4, false, true, true, false, true>"},
+                        7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, false, false, false>",
+                        9: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false>",
+                        10: "cross_head_norm_v3_kernel<__nv_bfloat16, 4, false, true, true, false, true, false>",
+                        11: "cross_head_norm_v3_kernel<__nv_bfloat16, 4, false, true, true, false, true, true>"},
     "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false, 0>",
                      6: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 0>",
                      7: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 1>",
-                     8: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 3>"},
+                     8: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 3>",
+                     9: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 4>"},
 }
 
 

@@ -375,6 +375,15 @@ __device__ __forceinline__ void warm_l2(const void* address) {
 #endif
 }
 
+// What one prefetch.global.L2 brings in: the cache line holding the address, 128 bytes in
+// Hopper's L2, so a kernel warming a row asks once per line, not once per 16-byte vector
+// (qk_norm v13, qk_norm_rope v9 and cross_head_norm v11 warm rows a wave of blocks ahead).
+constexpr int kL2LineBytes = 128;
+static_assert(kL2LineBytes % kVecBytes == 0, "a line is whole 16-byte vectors");
+
+template <typename T>
+constexpr int kL2LineElems = kL2LineBytes / static_cast<int>(sizeof(T));
+
 // Host: whether the current GPU takes programmatic dependent launches (sm_90 and later).
 inline bool programmatic_launch_supported() {
   static int cached[kMaxDevices] = {};  // 0: not queried yet, 1: no, 2: yes
