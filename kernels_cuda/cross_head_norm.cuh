@@ -18,7 +18,7 @@
 // v8: v7 with, at narrow rows (up to 256 vectors, 2048 bf16 elements) and many tokens, one warp per token: q's row then k's, four tokens per CTA, no block barrier - removes v7's two small CTAs per token there (tensor-parallel shards, small models), whose dispatch, not their bytes, set the time
 // v9: v8 with, where q and k are views of one tensor of token rows (a fused qkv projection) and the rows fill the GPU at least three times, the CTAs of a token's q row and k row launched next to each other instead of all q rows before all k rows - removes v8's sparse streams over the fused rows: the rows in flight together now lie side by side in memory (at q, k and v 8192 bf16 wide, 32 KiB of every 48 KiB instead of 16)
 // v10: v9 with, at calls of fewer than three waves of CTAs (decode and small batches), each thread's weight vectors loaded right after its row, before the block sum, and held in registers until the store - removes the weight loads that v3-v9 issue after the reduction: a memory round trip on the critical path of every CTA, which only calls of many waves hide
-// v11: v10 with, at calls of one to three waves of CTAs, each CTA warming into L2 the row of the CTA a wave after it once its own row's loads are issued - removes the DRAM round trip that every CTA of the later waves waited for before its block sum (qk_norm_rope v9 found it)
+// v11: v10 with, at calls of one to three waves of CTAs, each CTA warming into L2 the row of the CTA a wave after it once its own row's loads are issued - removes the DRAM round trip that every CTA of the later waves waited for before its block sum
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -508,7 +508,7 @@ constexpr int kV10MaxHeldVecs = 4;
 static_assert(kV10MaxHeldVecs <= kV3MaxVecsPerThread, "v10 holds at most v3's vectors per thread");
 
 // ------------------------------------------------------------------------------------------
-// v11: v10 with, at calls of one to three waves of CTAs, each CTA warming into L2 the row of the CTA a wave after it once its own row's loads are issued - removes the DRAM round trip that every CTA of the later waves waited for before its block sum (qk_norm_rope v9 found it)
+// v11: v10 with, at calls of one to three waves of CTAs, each CTA warming into L2 the row of the CTA a wave after it once its own row's loads are issued - removes the DRAM round trip that every CTA of the later waves waited for before its block sum
 // v3's kernel with kWarmAhead (and, at up to kV10MaxHeldVecs vectors per thread, v10's held
 // weights): p.rows_ahead is the launch's resident CTAs, so the row warmed is the one that a CTA
 // of the next wave will take, and that CTA finds it in L2. One prefetch.global.L2 per 128-byte
@@ -517,8 +517,9 @@ static_assert(kV10MaxHeldVecs <= kV3MaxVecsPerThread, "v10 holds at most v3's ve
 // flight alone keep the DRAM busy, and a second request per line costs (bench harness, `build/`
 // probe, H100, us, v10 -> v10 with the warm at every size): 1024 x 4096 (1.9 waves) 13.48 ->
 // 12.72, 1024 x 5120/1024 11.05 -> 10.21, 4096 x 6144/1024 42.03 -> 41.39, but 2048 x 8192 (3.9
-// waves) 48.95 -> 49.73 and 8192 x 8192 186.2 -> 189.0. docs/cross_head_norm.md has the H200
-// page.
+// waves) 48.95 -> 49.73 and 8192 x 8192 186.2 -> 189.0; H200, v10 -> v11: 1024 x 4096 10.33 ->
+// 9.53 (77.3 -> 83.8 % of the copy, past a same-size copy_'s 81 %), 1024 x 5120/1024 8.96 ->
+// 8.62. docs/cross_head_norm.md has the H200 page.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------

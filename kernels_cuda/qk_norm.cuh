@@ -20,7 +20,7 @@
 // v10: v9 with head_dims of a whole number of 16-byte vectors that is not a power of two (80, 96, 160, 192) on the vector path: a row's lane group is padded to the next power of two of lanes, and the lanes past its last vector hold none - removes v9's fall back to v2 (a warp per row, one element per load) at those head_dims, where torch.compile was faster
 // v11: v10 with the one-trip kernel at every size: a grid of all the call's rows, which the hardware's block scheduler hands out to SMs as they free a slot - removes the persistent grid's fixed share of rows per SM, which held streaming kernels to 88-90 % of the copy on the H200 where a grid of all rows reached 96-98 %
 // v12: v11 with q's and k's weights prefetched into L2 by two lane groups of the first block before the wait, while the previous kernel still runs - removes the weights' DRAM round trip from a decode call, which the one-token probe put at 0.25 of its 1.17 us
-// v13: v12 with, at calls of two to eight waves of blocks, each lane group warming into L2 the row a wave of blocks ahead of its own once its row's loads are issued - removes the DRAM round trip that every block of the later waves waited for before its first sum (qk_norm_rope v9 found it)
+// v13: v12 with, at calls of two to eight waves of blocks, each lane group warming into L2 the row a wave of blocks ahead of its own once its row's loads are issued - removes the DRAM round trip that every block of the later waves waited for before its first sum
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -471,7 +471,7 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // lane group per weight and block still lost at 1024 x 8/1 (5.0 us). docs/qk_norm.md has the
 // sweep.
 // ------------------------------------------------------------------------------------------
-// v13: v12 with, at calls of two to eight waves of blocks, each lane group warming into L2 the row a wave of blocks ahead of its own once its row's loads are issued - removes the DRAM round trip that every block of the later waves waited for before its first sum (qk_norm_rope v9 found it)
+// v13: v12 with, at calls of two to eight waves of blocks, each lane group warming into L2 the row a wave of blocks ahead of its own once its row's loads are issued - removes the DRAM round trip that every block of the later waves waited for before its first sum
 // The one-trip kernel with kWarmAhead: p.rows_ahead is a wave of resident blocks' rows, so the
 // row warmed is the one a block of the next wave will take, and that block finds it in L2. One
 // prefetch per 128-byte line, issued after the lane group's own loads; no register is held for
@@ -479,8 +479,10 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // and a second request per line costs (bench harness, `build/` probe, H100, us, v12 -> v12 with
 // the warm at every size): 8192 x 8/1 heads (4.4 waves) 14.41 -> 14.00, 1024 x 64/8 14.50 ->
 // 14.07, 2048 x 16/4 heads of 256 (4.8 waves) 16.26 -> 15.65, 8192 x 32/8 heads of 64 (9.7
-// waves) 29.94 -> 29.88, 8192 x 64/8 (35 waves) 103.4 -> 104.1. Calls of one wave have no row a
-// wave ahead. docs/qk_norm.md has the H200 page.
+// waves) 29.94 -> 29.88, 8192 x 64/8 (35 waves) 103.4 -> 104.1; H200, v12 -> v13: 8192 x 8/1
+// 11.03 -> 10.62 (81.3 -> 84.4 % of the copy), 1024 x 64/8 10.96 -> 10.53, 2048 x 16/4 heads of
+// 256 12.19 -> 11.64, 8192 x 32/8 heads of 64 22.39 both. Calls of one wave have no row a wave
+// ahead. docs/qk_norm.md has the H200 page.
 // ------------------------------------------------------------------------------------------
 constexpr int kV13MaxWaves = 8;
 static_assert(kV13MaxWaves >= 2, "v13 warms calls of at least two waves");

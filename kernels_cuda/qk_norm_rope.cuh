@@ -19,7 +19,6 @@
 // v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 // v7: v6 with no division on the device: where the call's rows fit in one trip of the grid (decode), one row per lane group, its token found by a multiply-high; otherwise v6's walk, its steps in tokens and heads computed by the launcher - removes the two calls into the 64-bit division routine every lane made before its first load (0.4 us of a decode call)
 // v8: v7 with the decode kernel's tables warmed before the wait: while the previous kernel still runs, the weights and each token's position and cos/sin run (aimed by a speculative L2-only read of the position) are prefetched into L2, each by one lane group; after the wait a lane reads its row's tables into registers together with the row - removes the position -> cos/sin chain of DRAM round trips (and the weights' own) from a decode call's critical path
-// v9: v8 with, at calls of more than one trip of the grid (prefill), one row per lane group on a grid of all rows, each lane group warming into L2 the row a wave of blocks ahead of its own - removes the DRAM latency that v8's walk left exposed at 32 KiB in flight per SM (four blocks of 256 threads, 32 bytes each)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm_rope.cu is the torch glue.
 #pragma once
@@ -56,7 +55,6 @@ struct Params {
   FastDivisor heads_divisor;  // num_q_heads + num_kv_heads, for v7 (`launch` sets it)
   int64_t token_step;         // v7: the grid's rows per step as whole tokens and heads (the launcher sets them)
   int head_step;
-  int64_t rows_ahead;         // v9: a wave of its blocks' rows, how far ahead a lane group warms (the launcher sets it)
 };
 
 inline int64_t total_rows(const Params& p) { return p.num_tokens * (p.num_q_heads + p.num_kv_heads); }
@@ -901,30 +899,11 @@ __device__ __forceinline__ void warm_call_tables(const Params& p, bool active, u
   }
 }
 
-// For v9: the row p.rows_ahead after `row` in grid order (the row a lane group of the next wave of
-// blocks will take) brought into L2, by the lanes whose vectors start an L2 line.
-template <typename T, int kHeadDim>
-__device__ __forceinline__ void warm_row_ahead(const Params& p, uint32_t row, int64_t rows,
-                                               const LaneUnits<V4Traits<T, kHeadDim>::kUnitsPerThread>& u) {
-  if (row >= rows || p.rows_ahead >= rows - row) return;
-  const uint32_t ahead = row + static_cast<uint32_t>(p.rows_ahead);  // < rows < 2^31
-  const uint32_t token = p.heads_divisor.divide(ahead);
-  const int head = static_cast<int>(ahead - token * static_cast<uint32_t>(p.num_q_heads + p.num_kv_heads));
-  const T* x = locate_row<T>(p, token, head).x;
-#pragma unroll
-  for (int s = 0; s < V4Traits<T, kHeadDim>::kUnitsPerThread; ++s) {
-    if (u.col_a[s] % kL2LineElems<T> == 0) warm_l2(x + u.col_a[s]);
-    if (u.col_b[s] % kL2LineElems<T> == 0) warm_l2(x + u.col_b[s]);
-  }
-}
-
 // v7's single row, where the call's rows fit in one trip of the grid: row = block * groups +
 // group (rows < 2^31, so a 32-bit index and p.heads_divisor's multiply-high find the token).
 // kWarm (v8): the call's tables warmed into L2 before the wait, and the row's read into
 // registers right after the row's loads instead of after its sum.
-// kAhead (v9, on a grid of all rows): the row a wave ahead warmed once the row's loads are issued.
-template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT, bool kWarm,
-          bool kAhead = false>
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT, bool kWarm>
 __device__ __forceinline__ void one_row(const Params& p, int64_t rows) {
   using Tr = V4Traits<T, kHeadDim>;
   constexpr int kUnits = Tr::kUnitsPerThread;
@@ -939,7 +918,6 @@ __device__ __forceinline__ void one_row(const Params& p, int64_t rows) {
     after_prior_grids();
   }
   const LoadedRow<T, kUnits> r = load_row<T, kUnits>(p, row < rows, token, head, u);
-  if constexpr (kAhead) warm_row_ahead<T, kHeadDim>(p, row, rows, u);
   if constexpr (kWarm) {  // idle groups too: whole shuffles
     const TablesInRegisters<T, kHeadDim> tables = load_row_tables<T, kHeadDim, kHfRounding, WeightT, CacheT>(p, r, u);
     finish_row<T, kHeadDim, kHfRounding, kNeox>(p, r, u, tables);
@@ -956,24 +934,22 @@ constexpr int kDeviceStepsWalk = 0;
 constexpr int kHostStepsWalk = 1;
 constexpr int kOneRow = 2;
 constexpr int kOneRowWarmed = 3;
-constexpr int kOneRowAhead = 4;
 
 template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, bool kProgrammatic = false,
           int kWalk = kDeviceStepsWalk>
 __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
     qk_norm_rope_v5_kernel(Params p, int64_t rows) {
   constexpr bool kWarm = kWalk == kOneRowWarmed;  // v8 waits after warming
-  constexpr bool kAhead = kWalk == kOneRowAhead;   // v9
   if constexpr (kProgrammatic && !kWarm) after_prior_grids();  // v6: read nothing before the previous kernel is done
   // The storage types are the same for the whole call: one uniform branch into the loop built
   // for them.
   if constexpr (kWalk >= kOneRow) {
     if (p.weight_is_fp32) {
-      if (p.cache_is_fp32) return one_row<T, kHeadDim, kHfRounding, kNeox, float, float, kWarm, kAhead>(p, rows);
-      return one_row<T, kHeadDim, kHfRounding, kNeox, float, T, kWarm, kAhead>(p, rows);
+      if (p.cache_is_fp32) return one_row<T, kHeadDim, kHfRounding, kNeox, float, float, kWarm>(p, rows);
+      return one_row<T, kHeadDim, kHfRounding, kNeox, float, T, kWarm>(p, rows);
     }
-    if (p.cache_is_fp32) return one_row<T, kHeadDim, kHfRounding, kNeox, T, float, kWarm, kAhead>(p, rows);
-    return one_row<T, kHeadDim, kHfRounding, kNeox, T, T, kWarm, kAhead>(p, rows);
+    if (p.cache_is_fp32) return one_row<T, kHeadDim, kHfRounding, kNeox, T, float, kWarm>(p, rows);
+    return one_row<T, kHeadDim, kHfRounding, kNeox, T, T, kWarm>(p, rows);
   } else {
     constexpr bool kHostSteps = kWalk == kHostStepsWalk;
     if (p.weight_is_fp32) {
@@ -1022,21 +998,6 @@ __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
 // 1.22 / 2.00; each line warmed by one lane group of the call and the tables read with the row
 // (v8) 1.25 / 1.78 against v7's 1.54 / 2.03 (qk_norm v12 lost 2-3x from 64 tokens up with a warm
 // per lane group). docs/qk_norm_rope.md has the sweep.
-// ------------------------------------------------------------------------------------------
-// v9: v8 with, at calls of more than one trip of the grid (prefill), one row per lane group on a grid of all rows, each lane group warming into L2 the row a wave of blocks ahead of its own - removes the DRAM latency that v8's walk left exposed at 32 KiB in flight per SM (four blocks of 256 threads, 32 bytes each)
-// v7's one-row kernel (kOneRowAhead) on a grid of every row, as qk_norm v11: the block scheduler
-// hands a freed slot the next block. On its own that measured 1-4 % slower than the walk (v7's
-// section): a lane group still waits one DRAM round trip for its row before it can sum, and with
-// four 256-thread blocks per SM each lane's 32 bytes are all an SM keeps in flight. Here, once a
-// lane group's own loads are issued, it prefetches (prefetch.global.L2, one per 128-byte line)
-// the row p.rows_ahead = a wave of resident blocks' rows further on: the row that a block of the
-// next wave will take. That block then finds its row in L2, and the DRAM sees two waves of
-// requests instead of one, without a register more (48). warm_l2's argument covers it: a
-// prefetch is a hint, and a row ahead is written only by its own lane group, later. Decode
-// calls (one trip) keep v8's warmed kernel. Measured with the bench harness (`build/` probe of
-// the variant against v8, us): H100, flux_1024 NeoX 38.29 -> 37.68, interleaved 39.03 -> 38.10,
-// qwen_image_1024 51.15 -> 49.24, qwen_image_partial 50.93 -> 48.71, 8192 x 64/8 108.3 -> 107.9.
-// docs/qk_norm_rope.md has the H200 page.
 // ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
@@ -1114,9 +1075,8 @@ inline void launch_v5_layout(const Params& p, int64_t rows, cudaStream_t stream)
 
 // v7 for one layout: one row per lane group where the rows fit in one trip of the resident grid,
 // else the persistent walk with the steps computed here. v8 is the same with the warmed one-row
-// kernel (kOneRowWalk = kOneRowWarmed); v9 (kAheadAtPrefill) replaces the walk by a grid of all
-// rows whose lane groups warm the row a wave ahead.
-template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, int kOneRowWalk, bool kAheadAtPrefill = false>
+// kernel (kOneRowWalk = kOneRowWarmed).
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, int kOneRowWalk>
 inline void launch_v7_layout(const Params& params, int64_t rows, cudaStream_t stream) {
   using Tr = V4Traits<T, kHeadDim>;
   constexpr auto walk_kernel = qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, kNeox, true, kHostStepsWalk>;
@@ -1127,13 +1087,6 @@ inline void launch_v7_layout(const Params& params, int64_t rows, cudaStream_t st
     return launch_kernel(true, one_row_kernel, dim3(static_cast<unsigned>(needed)), dim3(Tr::kThreadsPerBlock), 0, stream,
                          params, rows);
   }
-  if constexpr (kAheadAtPrefill) {  // v9: rows < 2^31 (launch_v7), so `needed` fits grid.x
-    constexpr auto ahead_kernel = qk_norm_rope_v5_kernel<T, kHeadDim, kHfRounding, kNeox, true, kOneRowAhead>;
-    Params p = params;
-    p.rows_ahead = static_cast<int64_t>(persistent_grid_limit<ahead_kernel>(Tr::kThreadsPerBlock)) * Tr::kGroupsPerBlock;
-    return launch_kernel(true, ahead_kernel, dim3(static_cast<unsigned>(needed)), dim3(Tr::kThreadsPerBlock), 0, stream,
-                         p, rows);
-  }
   Params p = params;
   const int64_t row_stride = resident * Tr::kGroupsPerBlock;
   const int heads = p.num_q_heads + p.num_kv_heads;
@@ -1142,20 +1095,19 @@ inline void launch_v7_layout(const Params& params, int64_t rows, cudaStream_t st
   launch_kernel(true, walk_kernel, dim3(static_cast<unsigned>(resident)), dim3(Tr::kThreadsPerBlock), 0, stream, p, rows);
 }
 
-template <typename T, int kHeadDim, bool kHfRounding, int kOneRowWalk, bool kAheadAtPrefill = false>
+template <typename T, int kHeadDim, bool kHfRounding, int kOneRowWalk>
 inline void launch_v7_neox_or_not(const Params& p, int64_t rows, cudaStream_t stream) {
-  if (p.is_neox) return launch_v7_layout<T, kHeadDim, kHfRounding, true, kOneRowWalk, kAheadAtPrefill>(p, rows, stream);
-  launch_v7_layout<T, kHeadDim, kHfRounding, false, kOneRowWalk, kAheadAtPrefill>(p, rows, stream);
+  if (p.is_neox) return launch_v7_layout<T, kHeadDim, kHfRounding, true, kOneRowWalk>(p, rows, stream);
+  launch_v7_layout<T, kHeadDim, kHfRounding, false, kOneRowWalk>(p, rows, stream);
 }
 
-// v7, v8 and v9.
+// v7 and v8.
 template <typename T, int kHeadDim, bool kHfRounding>
 inline void launch_v7(const Params& p, int64_t rows, int version, cudaStream_t stream) {
   // 32-bit first rows: at most rows + a block's groups, below 2^32 (more rows run v6).
   if (rows > static_cast<int64_t>(INT32_MAX)) return launch_v5_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);
   if (version == 7) return launch_v7_neox_or_not<T, kHeadDim, kHfRounding, kOneRow>(p, rows, stream);
-  if (version == 8) return launch_v7_neox_or_not<T, kHeadDim, kHfRounding, kOneRowWarmed>(p, rows, stream);
-  launch_v7_neox_or_not<T, kHeadDim, kHfRounding, kOneRowWarmed, true>(p, rows, stream);
+  launch_v7_neox_or_not<T, kHeadDim, kHfRounding, kOneRowWarmed>(p, rows, stream);
 }
 
 template <typename T, int kHeadDim, bool kHfRounding>
@@ -1167,7 +1119,7 @@ inline void launch_vector_path(const Params& p, int64_t rows, int version, cudaS
   launch_v7<T, kHeadDim, kHfRounding>(p, rows, version, stream);
 }
 
-// v3 to v9: the vector path where head_dim is specialized and the data aligned, else v2's
+// v3 to v8: the vector path where head_dim is specialized and the data aligned, else v2's
 // general path (any even head_dim / rope_dim, any alignment).
 template <typename T, bool kHfRounding>
 inline void launch_vector_or_general(const Params& p, int64_t rows, int version, cudaStream_t stream) {
@@ -1202,7 +1154,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 9;
+constexpr int kNumVersions = 8;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 // Version 1 needs `p.scratch` with scratch_elements(p, 1) floats.

@@ -131,16 +131,14 @@ def test_cuda_graph_capture_and_replay(version):
 
 # qk_norm_rope_v5_kernel<T, head_dim, hf, neox, programmatic, walk>: walk 0 is v4's, 1 v7's with the
 # launcher's steps, 2 one row per lane group (v7 where the rows fit in one trip of the grid), 3 the
-# same with the tables warmed before the wait (v8), 4 one row per lane group on a grid of all rows,
-# warming the row a wave ahead (v9 where the rows need more than one trip).
+# same with the tables warmed before the wait (v8).
 @pytest.mark.parametrize("version, tokens, is_neox, walk", [
     (7, 4096, True, 1), (7, 4096, False, 1), (7, 64, True, 2), (7, 1, False, 2), (6, 4096, True, 0), (6, 64, True, 0),
-    (8, 4096, True, 1), (8, 64, True, 3), (8, 1, False, 3), (9, 4096, True, 4), (9, 4096, False, 4), (9, 64, True, 3)])
+    (8, 4096, True, 1), (8, 64, True, 3), (8, 1, False, 3)])
 def test_v7_dispatch(version, tokens, is_neox, walk):
     """v7 walks a persistent grid with the launcher's steps where the rows need several trips of
     it (4096 tokens x 48 heads), and gives each lane group one row where they fit in one (decode);
-    v8 warms the tables of that one-row kernel only; v9 replaces the walk by a grid of all rows
-    that warms the rows a wave ahead."""
+    v8 warms the tables of that one-row kernel only."""
     from cookbook import cuda
 
     cuda.load(OP)
@@ -194,17 +192,3 @@ def test_compute_sanitizer_memcheck():
         capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0 and "ERROR SUMMARY: 0 errors" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
-
-
-# v9 at prefill: every row of several waves, zero rows at eps=0, both layouts, partial rotary,
-# float32 weights and a bf16 cache, positions with an offset: the rows a lane group warms are
-# another lane group's, and must come out as the reference says.
-@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
-@pytest.mark.parametrize("rounding", ["fused", "hf"])
-def test_v9_rows_ahead(is_neox, rounding):
-    impl = registry.get(OP, "cuda_v9")
-    require(impl)
-    inputs = contract.make_inputs(4099, 24, 8, 128, 96, is_neox, torch.bfloat16, "cuda", seed=9, fused_qkv=True,
-                                  kind="zero_rows", cache_dtype=torch.bfloat16, position_offset=3,
-                                  weight_dtype=torch.float32 if rounding == "fused" else None)
-    run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=0.5, rounding=rounding)
