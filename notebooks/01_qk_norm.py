@@ -403,6 +403,13 @@ for impl in cuda_versions:
 #   k's weights, and by the time any block reads them they are L2 hits: 1.15 -> 0.95 us at one
 #   token, 1.98 -> 1.76 at 64. (Warming per lane group instead, thousands of prefetches of the
 #   same two lines, was 2-3x slower from 64 tokens up.)
+# * **v13** warms rows, not weights. In a call of a few waves of blocks (8192 tokens x 8/1 heads
+#   is 4.4 waves), every block after the first wave starts by waiting one DRAM round trip for its
+#   row. Once a lane group's own loads are issued, v13 has it prefetch into L2 the row one wave of
+#   blocks further on, one `prefetch.global.L2` per 128-byte line: the row a block of the next
+#   wave will take, which then finds it in L2. On the H200: 8192 x 8/1 11.02 -> 10.60 us (81 ->
+#   85 % of the copy), 1024 x 64/8 10.98 -> 10.56. Only at two to eight waves: at many waves the
+#   blocks in flight keep the DRAM busy alone, and the second request per line costs.
 #
 # ## 8. What the compiler says: registers per kernel
 #
@@ -425,10 +432,11 @@ else:
     # fused, int64 rows (l), no streaming, no programmatic launch, 1 row per lane group, no fast
     # division>; with 32-bit rows (j) the flags say which version launches it; v9's decode kernel
     # is qk_norm_one_trip_kernel (its 16-byte-weight instance, the fourth flag 1), which v11 runs at
-    # every size, and v12 with its last flag (the weights warmed before the wait) set.
+    # every size, v12 with its fifth flag (the weights warmed before the wait) set, and v13 with
+    # its last flag (the row a wave ahead warmed) set too.
     name = re.compile(r"qk_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb([01])E"
                       r"(?:([jl])Lb([01])ELb([01])ELi(\d)ELb([01])E)?")
-    one_trip = re.compile(r"qk_norm_one_trip_kernelI13__nv_bfloat16Li(\d+)ELb([01])ELb1ELb([01])E")
+    one_trip = re.compile(r"qk_norm_one_trip_kernelI13__nv_bfloat16Li(\d+)ELb([01])ELb1ELb([01])E(?:Lb([01])E)?")
     # (streaming, programmatic, rows per lane group, fast division) of the 32-bit-row kernels
     versions = {("0", "0", "1", "0"): "v4", ("1", "0", "1", "0"): "v5", ("1", "1", "1", "0"): "v6",
                 ("1", "1", "2", "0"): "v7 (two rows per group)", ("1", "1", "1", "1"): "v8",
@@ -441,7 +449,8 @@ else:
             version = versions[m.group(5, 6, 7, 8)] if m.group(4) == "j" else f"v{m.group(1)}"
             hf = m.group(3) == "1"
         elif m_one and m_one.group(1) == "128":
-            version = "v12 (weights warmed)" if m_one.group(3) == "1" else "v9 (one trip), v11"
+            warmed = "v12 (weights warmed)" if m_one.group(3) == "1" else "v9 (one trip), v11"
+            version = "v13 (row a wave ahead warmed)" if m_one.group(4) == "1" else warmed
             hf = m_one.group(2) == "1"
         else:
             continue
