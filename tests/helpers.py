@@ -89,3 +89,19 @@ def launched_kernels(fn):
         fn()
         torch.cuda.synchronize()
     return {event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def check_dispatch(op, version, make, picked):
+    """For both rounding orders (the fused one with float32 weights, Hugging Face's with weights in
+    the activation dtype): the kernels that `cuda_v<version>` launches on `make(seed, weight_dtype)`
+    (q and k of the op's contract, zero rows included) satisfy `picked(kernel names)`, and the
+    version agrees with the reference on fresh inputs, at eps=0 and weight_offset=0.5."""
+    from cookbook import cuda
+
+    cuda.load(op)
+    impl = registry.get(op, f"cuda_v{version}")
+    for seed, (rounding, weight_dtype) in enumerate((("fused", torch.float32), ("hf", None))):
+        x = make(2 * seed, weight_dtype)
+        names = launched_kernels(lambda: impl.fn(x["q"], x["k"], x["q_weight"], x["k_weight"], 0.0, 0.5, rounding))
+        assert picked(names), names
+        run_and_compare(op, impl, make(2 * seed + 1, weight_dtype), eps=0.0, weight_offset=0.5, rounding=rounding)

@@ -15,7 +15,7 @@ import torch
 import cookbook
 from cookbook import registry
 from cookbook.ops import cross_head_norm as contract
-from helpers import ON_GPU, clone_inputs, kernel_impls, launched_kernels, require, run_and_compare
+from helpers import ON_GPU, check_dispatch, clone_inputs, kernel_impls, launched_kernels, require, run_and_compare
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 OP = "cross_head_norm"
@@ -140,19 +140,15 @@ def test_v10_dispatch(shape, held, dtype):
                                           ((1, 8192, 8192), False), ((2048, 8192, 8192), False)],
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_v11_dispatch(shape, ahead):
-    from cookbook import cuda
+    def make(seed, weight_dtype):
+        return contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=seed, fused_qkv=True, kind="zero_rows",
+                                    weight_dtype=weight_dtype)
 
-    cuda.load(OP)
-    for rounding, weight_dtype in (("fused", torch.float32), ("hf", None)):
-        x = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=6, fused_qkv=True, kind="zero_rows",
-                                 weight_dtype=weight_dtype)
-        names = launched_kernels(lambda: cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 0.0,
-                                                              0.5, rounding, version=11))
+    def picked(names):  # one v3 kernel, its kWarmAhead flag as expected
         v3 = [template_args(n) for n in names if "cross_head_norm_v3_kernel" in n]
-        assert len(v3) == 1 and (v3[0][7] == "true") == ahead, names  # kWarmAhead
-        x = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=7, fused_qkv=True, kind="zero_rows",
-                                 weight_dtype=weight_dtype)
-        run_and_compare(OP, registry.get(OP, "cuda_v11"), x, eps=0.0, weight_offset=0.5, rounding=rounding)
+        return len(v3) == 1 and (v3[0][7] == "true") == ahead
+
+    check_dispatch(OP, 11, make, picked)
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))

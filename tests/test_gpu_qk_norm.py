@@ -14,7 +14,7 @@ import torch
 import cookbook
 from cookbook import registry
 from cookbook.ops import qk_norm as contract
-from helpers import ON_GPU, clone_inputs, kernel_impls, launched_kernels, require, run_and_compare
+from helpers import ON_GPU, check_dispatch, clone_inputs, kernel_impls, launched_kernels, require, run_and_compare
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 OP = "qk_norm"
@@ -162,19 +162,15 @@ def test_grid_of_all_rows_dispatch(version, tokens, kernel):
                                           ((8192, 64, 8, 128), False), ((64, 64, 8, 128), False)],
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_v13_rows_ahead(shape, ahead):
-    from cookbook import cuda
+    def make(seed, weight_dtype):
+        return contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=seed, fused_qkv=True, kind="zero_rows",
+                                    weight_dtype=weight_dtype)
 
-    cuda.load(OP)
-    for rounding, weight_dtype in (("fused", torch.float32), ("hf", None)):
-        x = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=4, fused_qkv=True, kind="zero_rows",
-                                 weight_dtype=weight_dtype)
-        names = launched_kernels(lambda: cuda.qk_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 0.0, 0.5, rounding,
-                                                      version=13))
+    def picked(names):  # the one-trip kernel with the weights warmed, its kWarmAhead flag as expected
         trip = [n for n in names if "qk_norm_one_trip_kernel" in n]
-        assert len(trip) == 1 and trip[0].split(">(")[0].endswith("true, true, " + str(ahead).lower()), names
-        x = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=5, fused_qkv=True, kind="zero_rows",
-                                 weight_dtype=weight_dtype)
-        run_and_compare(OP, registry.get(OP, "cuda_v13"), x, eps=0.0, weight_offset=0.5, rounding=rounding)
+        return len(trip) == 1 and trip[0].split(">(")[0].endswith("true, true, " + str(ahead).lower())
+
+    check_dispatch(OP, 13, make, picked)
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
