@@ -481,8 +481,11 @@ __global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
 // 14.07, 2048 x 16/4 heads of 256 (4.8 waves) 16.26 -> 15.65, 8192 x 32/8 heads of 64 (9.7
 // waves) 29.94 -> 29.88, 8192 x 64/8 (35 waves) 103.4 -> 104.1; H200, v12 -> v13: 8192 x 8/1
 // 11.03 -> 10.62 (81.3 -> 84.4 % of the copy), 1024 x 64/8 10.96 -> 10.53, 2048 x 16/4 heads of
-// 256 12.19 -> 11.64, 8192 x 32/8 heads of 64 22.39 both. Calls of one wave have no row a wave
-// ahead. docs/qk_norm.md has the H200 page.
+// 256 12.19 -> 11.64, 8192 x 32/8 heads of 64 22.39 both. The distance is a whole wave because
+// that measured best (H200, 8192 x 8/1, % of the copy at 0.7 / 1 / 1.5 / 2 waves ahead: 82.0 /
+// 84.4-84.5 / 83.3 / 82.5; 1024 x 64/8 and 2048 x 16/4 the same way): nearer, the row is not in
+// L2 yet when its block starts; farther, it waits there longer for it. Calls of one wave have no
+// row a wave ahead. docs/qk_norm.md has the H200 page.
 // ------------------------------------------------------------------------------------------
 constexpr int kV13MaxWaves = 8;
 static_assert(kV13MaxWaves >= 2, "v13 warms calls of at least two waves");
