@@ -17,7 +17,7 @@
 // v7: v6 with, at batches whose rows fill every SM, four-warp CTAs holding up to eight vectors per thread (v3's rule, the fewest vectors per thread in CTAs of up to 512 threads, kept for smaller batches) - removes v6's 64 KiB in flight per SM at wide rows (four 512-thread CTAs of 16-32 bytes per thread) where the register file holds twice that
 // v8: v7 with, at narrow rows (up to 256 vectors, 2048 bf16 elements) and many tokens, one warp per token: q's row then k's, four tokens per CTA, no block barrier - removes v7's two small CTAs per token there (tensor-parallel shards, small models), whose dispatch, not their bytes, set the time
 // v9: v8 with, where q and k are views of one tensor of token rows (a fused qkv projection) and the rows fill the GPU at least three times, the CTAs of a token's q row and k row launched next to each other instead of all q rows before all k rows - removes v8's sparse streams over the fused rows: the rows in flight together now lie side by side in memory (at q, k and v 8192 bf16 wide, 32 KiB of every 48 KiB instead of 16)
-// v10: v9 with, at calls of fewer than three waves of CTAs (decode and small batches), each thread's weight vectors loaded right after its row, before the block sum, and held in registers until the store - removes the weight loads that v3-v9 issue after the reduction: a memory round trip on the critical path of every CTA, which only calls of many waves hide
+// v10: v9 with, at calls of fewer than three waves of CTAs (decode and small batches), each thread's weight vectors loaded with its row (issued just before it), before the block sum, and held in registers until the store - removes the weight loads that v3-v9 issue after the reduction: a memory round trip on the critical path of every CTA, which only calls of many waves hide
 // v11: v10 with, at calls of one to three waves of CTAs, each CTA warming into L2 the row of the CTA a wave after it once its own row's loads are issued - removes the DRAM round trip that every CTA of the later waves waited for before its block sum
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
@@ -302,8 +302,8 @@ __device__ __forceinline__ void warm_row_ahead(const Params& p) {
 // kStreaming (v5): x is read and written by streaming global accesses (load_vec_streaming).
 // kProgrammatic (v6): launched programmatically, so nothing is read before after_prior_grids.
 // kTokenMajor (v9): grid.x walks (token, tensor) pairs, CTA 2t + tensor normalizing token t's row.
-// kWeightsWithRow (v10): the thread's weight vectors are loaded right after its row, before the
-// block sum, and held in registers until the store.
+// kWeightsWithRow (v10): the thread's weight vectors are loaded with its row (just before it),
+// before the block sum, and held in registers until the store.
 // kWarmAhead (v11): once the row's loads are issued, the row a wave ahead is warmed into L2.
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false,
           bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false>
@@ -491,7 +491,7 @@ constexpr int kV9MinWaves = 3;
 static_assert(kV9MinWaves >= 1, "v9: at least the one wave that v7 requires");
 
 // ------------------------------------------------------------------------------------------
-// v10: v9 with, at calls of fewer than three waves of CTAs (decode and small batches), each thread's weight vectors loaded right after its row, before the block sum, and held in registers until the store - removes the weight loads that v3-v9 issue after the reduction: a memory round trip on the critical path of every CTA, which only calls of many waves hide
+// v10: v9 with, at calls of fewer than three waves of CTAs (decode and small batches), each thread's weight vectors loaded with its row (issued just before it), before the block sum, and held in registers until the store - removes the weight loads that v3-v9 issue after the reduction: a memory round trip on the critical path of every CTA, which only calls of many waves hide
 // v3's kernel with kWeightsWithRow: the loads of a thread's row and of its weights are issued
 // together, so the weights' latency hides under the row's, and after the block sum only the
 // arithmetic and the stores are left. Found in tp_qk_norm's decode kernel first (its v10):
