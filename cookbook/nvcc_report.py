@@ -9,6 +9,7 @@ registers / spills per kernel. Each op header `kernels_cuda/<op>.cuh` defines
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -56,20 +57,47 @@ def _demangle(names: list[str]) -> list[str]:
 ENTRY_POINTS = {"tp_qk_norm": ("sum_sq", "apply", "fused")}
 
 
+def _report_cache(op: str, arch: str, unit_text: str, compiler: str) -> Path:
+    """Where ptxas's report for this exact compile is kept: keyed by the unit, every header under
+    kernels_cuda/, the flags, the arch and the nvcc binary, so an edit anywhere means a new key.
+    A header compiles in minutes on a small CI machine, and the tests and notebooks of one run ask
+    for the same report several times."""
+    digest = hashlib.sha256()
+    stat = os.stat(os.path.realpath(compiler))
+    for part in (unit_text, arch, " ".join(NVCC_FLAGS), os.path.realpath(compiler), str(stat.st_size), str(stat.st_mtime_ns)):
+        digest.update(part.encode() + b"\0")
+    for header in sorted(KERNEL_DIR.rglob("*.cuh")):
+        digest.update(str(header.relative_to(KERNEL_DIR)).encode() + b"\0" + header.read_bytes() + b"\0")
+    root = Path(os.environ.get("COOKBOOK_BUILD_DIR", Path.home() / ".cache" / "fused-norm-cookbook"))
+    return root / "ptxas_reports" / f"{op}-{arch}-{digest.hexdigest()[:24]}.log"
+
+
 def compile_header(op: str, arch: str = DEFAULT_ARCH) -> list[KernelResources]:
-    """Compile every kernel of `kernels_cuda/<op>.cuh`; raise with nvcc's output on failure."""
+    """Compile every kernel of `kernels_cuda/<op>.cuh`; raise with nvcc's output on failure. The
+    report of a successful compile is reused while nothing it depends on changes (_report_cache)."""
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError("nvcc not found on PATH")
+    keep = "".join(f"auto const keep_{entry} = &cookbook::{op}::{entry};\n" for entry in ENTRY_POINTS.get(op, ("launch",)))
+    unit_text = f'#include "{op}.cuh"\n{keep}'
+    cache = _report_cache(op, arch, unit_text, compiler)
+    if cache.is_file():
+        return parse_ptxas(cache.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         unit = Path(tmp) / f"{op}_all.cu"
-        keep = "".join(f"auto const keep_{entry} = &cookbook::{op}::{entry};\n" for entry in ENTRY_POINTS.get(op, ("launch",)))
-        unit.write_text(f'#include "{op}.cuh"\n{keep}')
+        unit.write_text(unit_text)
         cmd = [compiler, *NVCC_FLAGS, f"-arch={arch}", f"-I{KERNEL_DIR}", "-Xptxas", "-v", "-c", str(unit),
                "-o", str(Path(tmp) / "unit.o")]
         run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"nvcc failed on {op}.cuh:\n{run.stderr}")
+    try:  # another process may write the same report: write aside, then rename into place
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        aside = cache.with_suffix(f".{os.getpid()}.tmp")
+        aside.write_text(run.stderr)
+        aside.replace(cache)
+    except OSError:
+        pass  # a read-only cache directory only costs the next call a compile
     return parse_ptxas(run.stderr)
 
 

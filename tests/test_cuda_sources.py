@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -98,3 +99,19 @@ def test_docs_tables_match_the_generator(op):
     generated = [tools.table(op)] + ([tools.occupancy_table(op)] if op == "cross_head_norm" else [])
     stale = [line for text in generated for line in text.splitlines() if line.strip() and line not in page]
     assert not stale, f"docs/{op}.md: rerun `python tools/docs_versions.py {op}` and paste; stale: {stale[:3]}"
+
+
+def test_ptxas_report_cache_key_follows_every_header(tmp_path, monkeypatch):
+    """compile_header reuses a report only for the same unit, flags, arch, nvcc and headers: an
+    edit to any header under kernels_cuda/ (an include too) must give a new cache file."""
+    (tmp_path / "include").mkdir()
+    (tmp_path / "op.cuh").write_text("// op\n")
+    (tmp_path / "include" / "common.cuh").write_text("// common\n")
+    monkeypatch.setattr(nvcc_report, "KERNEL_DIR", tmp_path)
+    monkeypatch.setenv("COOKBOOK_BUILD_DIR", str(tmp_path / "cache"))
+    key = lambda arch="sm_90": nvcc_report._report_cache("op", arch, "unit", sys.executable)  # noqa: E731
+    first = key()
+    assert key() == first and first.parent == tmp_path / "cache" / "ptxas_reports"
+    assert key("sm_80") != first
+    (tmp_path / "include" / "common.cuh").write_text("// common, edited\n")
+    assert key() != first
