@@ -42,6 +42,8 @@ COLUMNS = [
     ("issue slots busy %", "", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
     ("cycles per issue", "Warp State", "Warp Cycles Per Issued Instruction"),
     ("duration us", "Speed Of Light", "Duration"),
+    ("L2 hit rate %", "Memory Workload Analysis", "L2 Hit Rate"),
+    ("L2 read hit rate %", "", "lts__t_sector_op_read_hit_rate.pct"),
 ]
 # Why warps were not issuing: average warps stalled for each reason, per issued instruction.
 STALL_REASONS = ("long_scoreboard", "lg_throttle", "mio_throttle", "short_scoreboard", "wait", "barrier",
@@ -49,6 +51,17 @@ STALL_REASONS = ("long_scoreboard", "lg_throttle", "mio_throttle", "short_scoreb
                  "dispatch_stall", "sleeping", "tex_throttle", "imc_miss", "misc", "selected")
 STALL_METRIC = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
 EXTRA_METRICS = ["smsp__issue_active.avg.pct_of_peak_sustained_active"] + [STALL_METRIC.format(r) for r in STALL_REASONS]
+# Asked for only where this ncu knows them (`ncu --query-metrics`): an unknown name fails the run.
+# The read hit rate leaves out the writes, which an in-place kernel's L2 always counts as hits
+# (the line was just read), so it is the share of the loads' sectors that did not go to DRAM.
+OPTIONAL_METRICS = ["lts__t_sector_op_read_hit_rate.pct"]
+
+
+def known_metrics(ncu: str, names: list[str]) -> list[str]:
+    """The metrics of `names` that `ncu --query-metrics` lists (by base name, before the rollup)."""
+    run = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True)
+    listed = {line.split()[0] for line in run.stdout.splitlines() if line.strip()}
+    return [name for name in names if name.split(".")[0] in listed]
 
 
 def _child(op: str, shape_index: int, impl_names: list[str]) -> None:
@@ -157,12 +170,13 @@ def main(argv=None) -> int:
     if ncu is None:
         print("ncu (Nsight Compute) is not on PATH: nothing to profile", file=sys.stderr)
         return 2
+    optional = known_metrics(ncu, OPTIONAL_METRICS)
     launches, impl_of, raw = [], [], []
     for name in names:  # one ncu process per implementation: each launch is then known to be its
         command = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--csv", "--page", "details"]
         for section in SECTIONS:
             command += ["--section", section]
-        command += ["--metrics", ",".join(EXTRA_METRICS)]
+        command += ["--metrics", ",".join(EXTRA_METRICS + optional)]
         command += [sys.executable, "-m", "cookbook.ncu", "--child", "--op", args.op, "--shape", str(shape_index),
                     "--impls", name]
         run = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))

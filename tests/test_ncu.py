@@ -23,6 +23,8 @@ CSV = "\n".join([
     _row(0, KERNEL, "Occupancy", "Achieved Occupancy", "%", "43.97"),
     _row(0, KERNEL, "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "45.17"),
     _row(0, KERNEL, "GPU Speed Of Light Throughput", "Duration", "usecond", "50.66"),
+    _row(0, KERNEL, "Memory Workload Analysis", "L2 Hit Rate", "%", "61.20"),
+    _row(0, KERNEL, "Command line profiler metrics", "lts__t_sector_op_read_hit_rate.pct", "%", "22.50"),
     _row(0, KERNEL, "Command line profiler metrics", ncu.STALL_METRIC.format("long_scoreboard"), "", "4.8"),
     _row(0, KERNEL, "Command line profiler metrics", ncu.STALL_METRIC.format("wait"), "", "1.5"),
     _row(0, KERNEL, "Command line profiler metrics", ncu.STALL_METRIC.format("selected"), "", "1.0"),
@@ -39,6 +41,7 @@ def test_parse_details_one_dict_per_launch_in_order():
     assert first["duration us"] == pytest.approx(50.66)
     assert second["duration us"] == pytest.approx(2.5)  # nanoseconds, thousands separator
     assert second["registers"] == 1024
+    assert first["L2 hit rate %"] == pytest.approx(61.2) and first["L2 read hit rate %"] == pytest.approx(22.5)
     # "selected" is the issuing warp, not a stall: it is left out of the stall reasons
     assert first["stalls"] == {"long_scoreboard": 4.8, "wait": 1.5}
 
@@ -79,3 +82,14 @@ def test_bad_op_or_shape_is_rejected(argv, fragment, capsys):
     with pytest.raises(SystemExit):
         ncu.main(argv)
     assert fragment in capsys.readouterr().err
+
+
+def test_known_metrics_keeps_what_this_ncu_lists(monkeypatch):
+    listing = "Device GH100\nlts__t_sector_op_read_hit_rate   Counter   ...\nsmsp__issue_active   Counter\n"
+
+    class Run:
+        stdout = listing
+
+    monkeypatch.setattr(ncu.subprocess, "run", lambda *args, **kwargs: Run())
+    names = ["lts__t_sector_op_read_hit_rate.pct", "no_such__metric.sum"]
+    assert ncu.known_metrics("ncu", names) == ["lts__t_sector_op_read_hit_rate.pct"]
