@@ -21,6 +21,7 @@
 // v11: v10 with the one-trip kernel at every size: a grid of all the call's rows, which the hardware's block scheduler hands out to SMs as they free a slot - removes the persistent grid's fixed share of rows per SM, which held streaming kernels to 88-90 % of the copy on the H200 where a grid of all rows reached 96-98 %
 // v12: v11 with q's and k's weights prefetched into L2 by two lane groups of the first block before the wait, while the previous kernel still runs - removes the weights' DRAM round trip from a decode call, which the one-token probe put at 0.25 of its 1.17 us
 // v13: v12 with, at calls of two to eight waves of blocks, each lane group warming into L2 the row a wave of blocks ahead of its own once its row's loads are issued - removes the DRAM round trip that every block of the later waves waited for before its first sum
+// v14: v13 with, in calls of at least one wave of v13's blocks, two 16-byte vectors per lane: half as many lanes per row (8 at head_dim 128 in bf16), each doing twice the elements - removes half of the per-row work that every lane of a row repeats (its row's and weight's addresses, predicates, the shuffle sum's steps, rsqrt), which kept the SMs' issue slots about 70 % busy in a memory-bound kernel
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm.cu is the torch glue.
 #pragma once
@@ -155,12 +156,15 @@ constexpr int next_power_of_two(int n) { return n <= 1 ? 1 : 2 * next_power_of_t
 // kPadded (v10): a head of a whole number of vectors that is not a power of two (12 at 96 bf16
 // elements) gets the next power of two of lanes, at most a warp (16), and the lanes or slots past
 // the head's last vector hold nothing (lane_has_vector); v3 to v9 launch power-of-two heads only.
-template <typename T, int kHeadDim, int kRowsPerGroup = 1>
+// kMinVecsPerThread (v14): the fewest vectors a lane holds; 2 gives a row half the lanes (8
+// instead of 16 at head_dim 128 in bf16), heads already at two or more per lane of a full warp
+// (512 bf16 elements and up) are unchanged.
+template <typename T, int kHeadDim, int kRowsPerGroup = 1, int kMinVecsPerThread = 1>
 struct V3Traits {
   static constexpr int kVecElems = Vec<T>::kElems;                    // 4 fp32, 8 fp16/bf16
   static constexpr int kVecsPerHead = kHeadDim / kVecElems;
-  static constexpr int kThreadsPerHead =
-      next_power_of_two(kVecsPerHead) < kWarpSize ? next_power_of_two(kVecsPerHead) : kWarpSize;
+  static constexpr int kLanesWanted = next_power_of_two(kVecsPerHead) / kMinVecsPerThread;
+  static constexpr int kThreadsPerHead = kLanesWanted < 1 ? 1 : kLanesWanted < kWarpSize ? kLanesWanted : kWarpSize;
   static constexpr int kVecsPerThread = (kVecsPerHead + kThreadsPerHead - 1) / kThreadsPerHead;
   static constexpr bool kPadded = kVecsPerHead % kThreadsPerHead != 0;
   static constexpr int kElemsPerThread = kVecsPerThread * kVecElems;
@@ -173,6 +177,8 @@ struct V3Traits {
   static_assert(kWarpSize % kThreadsPerHead == 0, "heads tile a warp, so a shuffle group never spans two warps");
   static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
   static_assert(kRowsPerGroup >= 1, "a lane group takes at least one row per trip");
+  static_assert(kMinVecsPerThread >= 1 && next_power_of_two(kMinVecsPerThread) == kMinVecsPerThread,
+                "a power of two of vectors per lane, so a row's lanes stay a power of two");
 };
 
 // Whether slot i of lane `lane` holds a vector of the head (always, unless the group is padded).
@@ -355,11 +361,12 @@ constexpr int kNumWeights = 2;  // q's and k's
 // L2 slices) slowed the call 2-3x from 64 tokens up (docs/qk_norm.md).
 // kWarmAhead (v13): once its row's loads are issued, a lane group brings into L2 the row
 // p.rows_ahead further on in grid order, by the lanes whose vectors start an L2 line.
+// kMinVecsPerThread (v14): V3Traits' fewest vectors per lane (2: half the lanes per row).
 template <typename T, int kHeadDim, bool kHfRounding, bool kWeightVectors, bool kWarmWeights = false,
-          bool kWarmAhead = false>
-__global__ void __launch_bounds__(V3Traits<T, kHeadDim>::kThreadsPerBlock)
+          bool kWarmAhead = false, int kMinVecsPerThread = 1>
+__global__ void __launch_bounds__(V3Traits<T, kHeadDim, 1, kMinVecsPerThread>::kThreadsPerBlock)
     qk_norm_one_trip_kernel(Params p, uint32_t rows) {
-  using Tr = V3Traits<T, kHeadDim>;
+  using Tr = V3Traits<T, kHeadDim, 1, kMinVecsPerThread>;
   static_assert(kVecBytes % sizeof(float) == 0 && Tr::kVecElems % (kVecBytes / sizeof(float)) == 0,
                 "a vector of float32 weights is whole 16-byte loads");
   if constexpr (!kWarmWeights) after_prior_grids();  // read nothing before the previous kernel is done
@@ -491,6 +498,29 @@ constexpr int kV13MaxWaves = 8;
 static_assert(kV13MaxWaves >= 2, "v13 warms calls of at least two waves");
 
 // ------------------------------------------------------------------------------------------
+// v14: v13 with, in calls of at least one wave of v13's blocks, two 16-byte vectors per lane: half as many lanes per row (8 at head_dim 128 in bf16), each doing twice the elements - removes half of the per-row work that every lane of a row repeats (its row's and weight's addresses, predicates, the shuffle sum's steps, rsqrt), which kept the SMs' issue slots about 70 % busy in a memory-bound kernel
+// The one-trip kernel with kMinVecsPerThread = 2. Every lane of a row's group repeats the row's
+// fixed work: locate the row (a multiply-high and two 64-bit products), the weight's address,
+// the predicates, log2(lanes) shuffle steps, rsqrt, the stores' addresses. With one 16-byte
+// vector per lane that is most of the lane's code: v13's kernel at head_dim 128 in bf16 is about
+// 250 PTX instructions (both sides of its branches), of which its 8 elements' conversions and
+// arithmetic are about 60; and Nsight Compute put the SMs' issue slots 70-74 % busy at 8192 x
+// 8/1 (docs/results/qk_norm_h200_ncu_v12_v13.md). With two vectors per lane each row's fixed work
+// is done by half as many lanes: 47 registers instead of 29 at head_dim 128 in bf16, so five
+// 256-thread blocks per SM instead of eight, but 32 rows per block, 160 per SM against 128, and
+// 32 bytes of loads in flight per lane. In small calls the lanes' serial work is the time, and
+// one vector per lane wins (bench harness, `build/` probe, H200, us, v13 against two vectors per
+// lane): 64/8 heads of 128 at 1, 64, 128, 192 and 256 tokens 0.92 / 1.11, 1.79 / 1.83, 2.62 /
+// 2.38, 2.97 / 3.31, 3.89 / 3.56; 8/1 heads at 512, 1024 and 2048 tokens 1.78 / 1.84, 2.65 /
+// 2.37, 3.91 / 3.54; 32/8 heads of 64 at 64 and 512 tokens 1.12 / 1.29, 2.61 / 2.59; 16/4 heads
+// of 256 at 16 and 128 tokens 1.12 / 1.25, 1.88 / 1.94. From one wave of v13's blocks up (256
+// tokens x 72 heads of 128 is 1.09) two vectors won at every shape; between half a wave and one
+// it won at two of three, and the rule keeps v13 there. Four vectors per lane (80 registers,
+// three blocks per SM) was no better than two at head_dim 256 and worse elsewhere (8192 x 8/1
+// 10.81 against 10.37 us). docs/qk_norm.md has the sweep.
+constexpr int kV14VecsPerThread = 2;
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -515,13 +545,47 @@ inline void launch_persistent(bool programmatic, const Params& p, int64_t rows, 
   launch_kernel(programmatic, kKernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreadsPerBlock), 0, stream, p, rows);
 }
 
+// Rows in one wave of kKernel's blocks: the blocks resident at once, times Tr's rows per block.
+template <auto kKernel, typename Tr>
+inline int64_t wave_rows() {
+  return static_cast<int64_t>(persistent_grid_limit<kKernel>(Tr::kThreadsPerBlock)) * Tr::kHeadsPerBlock;
+}
+
+// v9 to v14's one-trip kernel on a grid of all rows (rows < 2^32), kMinVecsPerThread vectors per
+// lane at least: v12 on with the weights warmed before the wait, v13 on with the row a wave
+// ahead warmed in calls of more than one and at most kV13MaxWaves waves.
+template <typename T, int kHeadDim, bool kHfRounding, int kVersion, int kMinVecsPerThread>
+inline void launch_one_trip(const Params& p, int64_t rows, cudaStream_t stream) {
+  using Tr = V3Traits<T, kHeadDim, 1, kMinVecsPerThread>;
+  static_assert(Tr::kHeadsPerBlock >= 2, "rows < 2^32 need fewer than 2^31 blocks");
+  const auto blocks = static_cast<unsigned>((rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock);
+  const bool weight_vectors = is_aligned(p.q_weight, kVecBytes) && is_aligned(p.k_weight, kVecBytes);
+  constexpr bool kWarm = kVersion >= 12;  // v12: the weights warmed before the wait
+  constexpr auto one_trip_vectors = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, true, kWarm, false, kMinVecsPerThread>;
+  constexpr auto one_trip_elements = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, false, kWarm, false, kMinVecsPerThread>;
+  if constexpr (kVersion >= 13) {  // v13: calls of more than one and at most kV13MaxWaves waves
+    constexpr auto ahead_vectors = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, true, kWarm, true, kMinVecsPerThread>;
+    constexpr auto ahead_elements = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, false, kWarm, true, kMinVecsPerThread>;
+    const int64_t wave = wave_rows<ahead_vectors, Tr>();
+    if (rows > wave && rows <= kV13MaxWaves * wave) {
+      Params ahead = p;
+      ahead.rows_ahead = static_cast<uint32_t>(wave);
+      launch_kernel(true, weight_vectors ? ahead_vectors : ahead_elements, dim3(blocks), dim3(Tr::kThreadsPerBlock), 0,
+                    stream, ahead, static_cast<uint32_t>(rows));
+      return;
+    }
+  }
+  launch_kernel(true, weight_vectors ? one_trip_vectors : one_trip_elements, dim3(blocks), dim3(Tr::kThreadsPerBlock), 0,
+                stream, p, static_cast<uint32_t>(rows));
+}
+
 // kVersion 3: 64-bit row index; 4: 32-bit row index where rows < 2^32; 5: v4 with streaming x;
 // 6: v5 as a programmatic dependent launch; 7: v6, or two rows per lane group where that makes
 // a call that needs two trips of v6's grid fit in one; 8: v7 with the fast division; 9: v8, or
 // the one-trip kernel where the rows fit in one trip of v8's grid; 10: v9 (launch_v3 adds the
 // padded head_dims); 11: the one-trip kernel on a grid of all rows, at every size; 12: v11
 // with the weights warmed before the wait; 13: v12 with the row a wave ahead warmed at two to
-// kV13MaxWaves waves.
+// kV13MaxWaves waves; 14: v13 with two vectors per lane from one wave of v13's blocks up.
 template <typename T, int kHeadDim, bool kHfRounding, int kVersion>
 inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) {
   if constexpr (kVersion >= 4) {
@@ -537,27 +601,13 @@ inline void launch_v3_fixed(const Params& p, int64_t rows, cudaStream_t stream) 
   if constexpr (kVersion >= 9) {
     const int64_t one_trip = static_cast<int64_t>(persistent_grid_limit<kernel>(Tr::kThreadsPerBlock)) * Tr::kRowsPerBlock;
     if (kVersion >= 11 || rows <= one_trip) {  // v11: at every size (rows < 2^32 here)
-      static_assert(Tr::kHeadsPerBlock >= 2, "rows < 2^32 need fewer than 2^31 blocks");
-      const auto blocks = static_cast<unsigned>((rows + Tr::kHeadsPerBlock - 1) / Tr::kHeadsPerBlock);
-      const bool weight_vectors = is_aligned(p.q_weight, kVecBytes) && is_aligned(p.k_weight, kVecBytes);
-      constexpr bool kWarm = kVersion >= 12;  // v12: the weights warmed before the wait
-      constexpr auto one_trip_vectors = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, true, kWarm>;
-      constexpr auto one_trip_elements = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, false, kWarm>;
-      if constexpr (kVersion >= 13) {  // v13: calls of more than one and at most kV13MaxWaves waves
-        constexpr auto ahead_vectors = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, true, kWarm, true>;
-        constexpr auto ahead_elements = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, false, kWarm, true>;
-        const int64_t wave = static_cast<int64_t>(persistent_grid_limit<ahead_vectors>(Tr::kThreadsPerBlock)) * Tr::kHeadsPerBlock;
-        if (rows > wave && rows <= kV13MaxWaves * wave) {
-          Params ahead = p;
-          ahead.rows_ahead = static_cast<uint32_t>(wave);
-          launch_kernel(true, weight_vectors ? ahead_vectors : ahead_elements, dim3(blocks), dim3(Tr::kThreadsPerBlock),
-                        0, stream, ahead, static_cast<uint32_t>(rows));
-          return;
+      if constexpr (kVersion >= 14) {  // v14: two vectors per lane from one wave of v13's blocks up
+        constexpr auto v13_kernel = qk_norm_one_trip_kernel<T, kHeadDim, kHfRounding, true, true, true>;
+        if (rows >= wave_rows<v13_kernel, Tr>()) {
+          return launch_one_trip<T, kHeadDim, kHfRounding, kVersion, kV14VecsPerThread>(p, rows, stream);
         }
       }
-      launch_kernel(true, weight_vectors ? one_trip_vectors : one_trip_elements, dim3(blocks),
-                    dim3(Tr::kThreadsPerBlock), 0, stream, p, static_cast<uint32_t>(rows));
-      return;
+      return launch_one_trip<T, kHeadDim, kHfRounding, kVersion, 1>(p, rows, stream);
     }
   }
   // Padded groups get no two-row kernel: ptxas spilled it under v7's register bound (40).
@@ -622,7 +672,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 10: return launch_v3<T, kHfRounding, 10>(p, rows, stream);
     case 11: return launch_v3<T, kHfRounding, 11>(p, rows, stream);
     case 12: return launch_v3<T, kHfRounding, 12>(p, rows, stream);
-    default: return launch_v3<T, kHfRounding, 13>(p, rows, stream);
+    case 13: return launch_v3<T, kHfRounding, 13>(p, rows, stream);
+    default: return launch_v3<T, kHfRounding, 14>(p, rows, stream);
   }
 }
 
@@ -635,7 +686,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 13;
+constexpr int kNumVersions = 14;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& params, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

@@ -136,11 +136,11 @@ def test_padded_dispatch(version, head_dim, tokens, kernel):
 @pytest.mark.parametrize("version, tokens, kernel", [
     (11, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128,"), (10, 8192, "qk_norm_v3_kernel<__nv_bfloat16, 128,"),
     (11, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128,"),
-    (12, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false>"),
-    (12, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false>"),
-    (11, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, false, false>"),
-    (13, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false>"),
-    (13, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false>")])
+    (12, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false, 1>"),
+    (12, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false, 1>"),
+    (11, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, false, false, 1>"),
+    (13, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false, 1>"),
+    (13, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false, 1>")])
 def test_grid_of_all_rows_dispatch(version, tokens, kernel):
     """v11 runs the one-trip kernel at every size; v10 only where the rows fit in one trip of its
     persistent grid (8192 tokens x 72 heads walk it several times); v12 is v11's kernel with the
@@ -168,9 +168,31 @@ def test_v13_rows_ahead(shape, ahead):
 
     def picked(names):  # the one-trip kernel with the weights warmed, its kWarmAhead flag as expected
         trip = [n for n in names if "qk_norm_one_trip_kernel" in n]
-        return len(trip) == 1 and trip[0].split(">(")[0].endswith("true, true, " + str(ahead).lower())
+        return len(trip) == 1 and trip[0].split(">(")[0].endswith(f"true, true, {str(ahead).lower()}, 1")
 
     check_dispatch(OP, 13, make, picked)
+
+
+# v14 takes two vectors per lane (the kernel's last template argument) from one wave of v13's
+# blocks up (16896 rows of 128 or 96 elements, 8448 of 256, on a 132-SM H100/H200) and warms the
+# row a wave of its own blocks ahead at two to eight of those waves (21120 rows of 128: 8193 x
+# 8/1 heads is 3.5, 2049 x 16/4 heads of 256 3.9); 256 tokens x 64/8 (18432 rows) and 2048 x 8/1
+# heads of 96 take two vectors in less than one of their waves, 64 tokens and 1024 x 8/1 heads of
+# 96 (9216 rows) keep one. Odd token counts, zero rows at eps=0, float32 weights, both roundings.
+@pytest.mark.parametrize("shape, vectors, ahead", [
+    ((8193, 8, 1, 128), 2, True), ((2049, 16, 4, 256), 2, True), ((8192, 64, 8, 128), 2, False),
+    ((256, 64, 8, 128), 2, False), ((2048, 8, 1, 96), 2, False), ((1024, 8, 1, 96), 1, False),
+    ((64, 64, 8, 128), 1, False)], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_v14_dispatch(shape, vectors, ahead):
+    def make(seed, weight_dtype):
+        return contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=seed, fused_qkv=True, kind="zero_rows",
+                                    weight_dtype=weight_dtype)
+
+    def picked(names):  # the one-trip kernel, weights warmed, its kWarmAhead and vectors per lane as expected
+        trip = [n for n in names if "qk_norm_one_trip_kernel" in n]
+        return len(trip) == 1 and trip[0].split(">(")[0].endswith(f"true, true, {str(ahead).lower()}, {vectors}")
+
+    check_dispatch(OP, 14, make, picked)
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
