@@ -107,6 +107,10 @@ PLOTS = {  # plot name -> (row column, y-axis label)
 }
 MAX_CELL_CHARS = 60  # error messages in a table cell are cut to this
 PLOT_SIZE_INCHES = (7.0, 4.5)
+# One line per implementation, told apart by colour (a qualitative map of 20 distinct colours, so
+# that a sweep of every version does not repeat the default cycle's 10) and by a marker per level.
+PLOT_COLORS = "tab20"
+LEVEL_MARKERS = {"reference": "s", "numba": "^", "cuda": "o"}  # peers (torch_compile, ...): "D"
 PLOT_DPI = 120
 
 # Every bench row has these keys (the CSV columns), in this order.
@@ -799,18 +803,22 @@ def plot_op(rows, meta, out: Path) -> dict[str, Path]:
     except ImportError:
         print("matplotlib is not installed: no plots")
         return {}
+    from matplotlib import colormaps
+
     family = largest_family([row for row in rows if row["median_us"] is not None])
     if not family:
         return {}
+    colors = colormaps[PLOT_COLORS]
     op, shape_tail = family[0]["op"], ", ".join(map(str, family[0]["shape"][1:]))
     paths = {}
     for plot, (column, ylabel) in PLOTS.items():
         fig = Figure(figsize=PLOT_SIZE_INCHES)
         FigureCanvasAgg(fig)  # render with Agg, whatever backend a notebook chose
         ax = fig.subplots()
-        for impl in dict.fromkeys(row["impl"] for row in family):
+        for i, impl in enumerate(dict.fromkeys(row["impl"] for row in family)):
             points = sorted((_tokens(r), r[column]) for r in family if r["impl"] == impl)
-            ax.plot(*zip(*points), marker="o", label=impl)
+            ax.plot(*zip(*points), color=colors(i % colors.N), linestyle="-" if i < colors.N else "--",
+                    marker=LEVEL_MARKERS.get(impl.split("_")[0], "D"), label=impl)
         if plot == "pct_of_copy":
             ax.axhline(100, color="gray", linestyle="--", linewidth=1, label="device copy")
         else:
@@ -820,10 +828,9 @@ def plot_op(rows, meta, out: Path) -> dict[str, Path]:
         ax.set_ylabel(ylabel)
         ax.set_title(f"{op}, shape (tokens, {shape_tail}), {meta['dtype']}, {meta['gpu']}", fontsize="medium")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the lines
         paths[plot] = out / f"{op}_{meta['dtype']}_{plot}.png"
-        fig.savefig(paths[plot], dpi=PLOT_DPI)
+        fig.savefig(paths[plot], dpi=PLOT_DPI, bbox_inches="tight")
     return paths
 
 
