@@ -515,9 +515,10 @@ static_assert(kV13MaxWaves >= 2, "v13 warms calls of at least two waves");
 // 2.37, 3.91 / 3.54; 32/8 heads of 64 at 64 and 512 tokens 1.12 / 1.29, 2.61 / 2.59; 16/4 heads
 // of 256 at 16 and 128 tokens 1.12 / 1.25, 1.88 / 1.94. From one wave of v13's blocks up (256
 // tokens x 72 heads of 128 is 1.09) two vectors won at every shape; between half a wave and one
-// it won at two of three, and the rule keeps v13 there. Four vectors per lane (80 registers,
-// three blocks per SM) was no better than two at head_dim 256 and worse elsewhere (8192 x 8/1
-// 10.81 against 10.37 us). docs/qk_norm.md has the sweep.
+// they won at three of five shapes and lost 11 % at one (192 tokens), so below a wave v13
+// stays. Four vectors per lane (80 registers, three blocks per SM) was no better than two at
+// head_dim 256 and worse elsewhere (8192 x 8/1 10.81 against 10.37 us). docs/qk_norm.md has the
+// sweep.
 constexpr int kV14VecsPerThread = 2;
 
 // ------------------------------------------------------------------------------------------
