@@ -410,6 +410,16 @@ for impl in cuda_versions:
 #   wave will take, which then finds it in L2. On the H200: 8192 x 8/1 11.02 -> 10.60 us (81 ->
 #   85 % of the copy), 1024 x 64/8 10.98 -> 10.56. Only at two to eight waves: at many waves the
 #   blocks in flight keep the DRAM busy alone, and the second request per line costs.
+# * **v14** halves the lanes per row. Every lane of a row's group repeats the row's fixed work
+#   (its address, the weight's, predicates, the shuffle sum's steps, `rsqrt`), and with one
+#   16-byte vector per lane that is most of the lane's code: about 250 PTX instructions against
+#   about 60 for its 8 elements, with the SMs' issue slots 70-74 % busy (Nsight Compute) in a
+#   kernel that should be waiting on memory. v14 gives each lane two vectors (8 lanes per row of
+#   128): 47 registers instead of 29, five blocks per SM instead of eight, but 32 rows per block.
+#   In calls of at least one wave of v13's blocks: 8192 x 8/1 10.69 -> 10.38 us (84.5 -> 87.0 % of
+#   the copy), 8192 x 32/8 heads of 64 22.47 -> 21.62, 256 tokens 3.86 -> 3.59. Below that the
+#   lanes' serial work is the time, and one vector per lane stays (one token: 0.92 against 1.11
+#   us with two).
 #
 # ## 8. What the compiler says: registers per kernel
 #
@@ -432,11 +442,13 @@ else:
     # fused, int64 rows (l), no streaming, no programmatic launch, 1 row per lane group, no fast
     # division>; with 32-bit rows (j) the flags say which version launches it; v9's decode kernel
     # is qk_norm_one_trip_kernel (its 16-byte-weight instance, the fourth flag 1), which v11 runs at
-    # every size, v12 with its fifth flag (the weights warmed before the wait) set, and v13 with
-    # its last flag (the row a wave ahead warmed) set too.
+    # every size, v12 with its fifth flag (the weights warmed before the wait) set, v13 with its
+    # sixth (the row a wave ahead warmed) set too, and v14 with its last argument (the fewest
+    # vectors per lane) 2.
     name = re.compile(r"qk_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb([01])E"
                       r"(?:([jl])Lb([01])ELb([01])ELi(\d)ELb([01])E)?")
-    one_trip = re.compile(r"qk_norm_one_trip_kernelI13__nv_bfloat16Li(\d+)ELb([01])ELb1ELb([01])E(?:Lb([01])E)?")
+    one_trip = re.compile(r"qk_norm_one_trip_kernelI13__nv_bfloat16Li(\d+)ELb([01])ELb1ELb([01])E(?:Lb([01])E)?"
+                          r"(?:Li(\d)E)?")
     # (streaming, programmatic, rows per lane group, fast division) of the 32-bit-row kernels
     versions = {("0", "0", "1", "0"): "v4", ("1", "0", "1", "0"): "v5", ("1", "1", "1", "0"): "v6",
                 ("1", "1", "2", "0"): "v7 (two rows per group)", ("1", "1", "1", "1"): "v8",
@@ -451,6 +463,8 @@ else:
         elif m_one and m_one.group(1) == "128":
             warmed = "v12 (weights warmed)" if m_one.group(3) == "1" else "v9 (one trip), v11"
             version = "v13 (row a wave ahead warmed)" if m_one.group(4) == "1" else warmed
+            if m_one.group(5) == "2":
+                version = "v14 (two vectors per lane" + (", row a wave ahead warmed)" if m_one.group(4) == "1" else ")")
             hf = m_one.group(2) == "1"
         else:
             continue
