@@ -40,6 +40,7 @@ COLUMNS = [
     ("achieved occupancy %", "Occupancy", "Achieved Occupancy"),
     ("DRAM throughput %", "Speed Of Light", "DRAM Throughput"),
     ("issue slots busy %", "", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
+    ("warp instructions", "", "smsp__inst_executed.sum"),
     ("cycles per issue", "Warp State", "Warp Cycles Per Issued Instruction"),
     ("duration us", "Speed Of Light", "Duration"),
     ("L2 hit rate %", "Memory Workload Analysis", "L2 Hit Rate"),
@@ -50,7 +51,8 @@ STALL_REASONS = ("long_scoreboard", "lg_throttle", "mio_throttle", "short_scoreb
                  "math_pipe_throttle", "not_selected", "no_instruction", "drain", "membar", "branch_resolving",
                  "dispatch_stall", "sleeping", "tex_throttle", "imc_miss", "misc", "selected")
 STALL_METRIC = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
-EXTRA_METRICS = ["smsp__issue_active.avg.pct_of_peak_sustained_active"] + [STALL_METRIC.format(r) for r in STALL_REASONS]
+EXTRA_METRICS = (["smsp__issue_active.avg.pct_of_peak_sustained_active", "smsp__inst_executed.sum"]
+                 + [STALL_METRIC.format(r) for r in STALL_REASONS])
 # Asked for only where this ncu knows them (`ncu --query-metrics`): an unknown name fails the run.
 # The read hit rate leaves out the writes, which an in-place kernel's L2 always counts as hits
 # (the line was just read), so it is the share of the loads' sectors that did not go to DRAM.

@@ -24,6 +24,7 @@ CSV = "\n".join([
     _row(0, KERNEL, "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "45.17"),
     _row(0, KERNEL, "GPU Speed Of Light Throughput", "Duration", "usecond", "50.66"),
     _row(0, KERNEL, "Memory Workload Analysis", "L2 Hit Rate", "%", "61.20"),
+    _row(0, KERNEL, "Command line profiler metrics", "smsp__inst_executed.sum", "inst", "7,372,800"),
     _row(0, KERNEL, "Command line profiler metrics", "lts__t_sector_op_read_hit_rate.pct", "%", "22.50"),
     _row(0, KERNEL, "Command line profiler metrics", ncu.STALL_METRIC.format("long_scoreboard"), "", "4.8"),
     _row(0, KERNEL, "Command line profiler metrics", ncu.STALL_METRIC.format("wait"), "", "1.5"),
@@ -42,6 +43,7 @@ def test_parse_details_one_dict_per_launch_in_order():
     assert second["duration us"] == pytest.approx(2.5)  # nanoseconds, thousands separator
     assert second["registers"] == 1024
     assert first["L2 hit rate %"] == pytest.approx(61.2) and first["L2 read hit rate %"] == pytest.approx(22.5)
+    assert first["warp instructions"] == 7372800
     # "selected" is the issuing warp, not a stall: it is left out of the stall reasons
     assert first["stalls"] == {"long_scoreboard": 4.8, "wait": 1.5}
 
