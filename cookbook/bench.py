@@ -795,6 +795,32 @@ def largest_family(rows) -> list[dict]:
     return max(families.values(), key=lambda family: len({_tokens(r) for r in family}), default=[])
 
 
+def line_style(index: int, impl: str) -> dict:
+    """Matplotlib keywords for the index-th implementation of a plot: its own colour (PLOT_COLORS;
+    past its 20, dashed lines), a marker for its level."""
+    from matplotlib import colormaps
+
+    colors = colormaps[PLOT_COLORS]
+    return dict(color=colors(index % colors.N), linestyle="-" if index < colors.N else "--",
+                marker=LEVEL_MARKERS.get(impl.split("_")[0], "D"))
+
+
+def draw_lines(ax, family, column: str, ylabel: str) -> None:
+    """On `ax`, `column` of a shape family against tokens, one line per implementation (plot_op and
+    the notebooks draw with it)."""
+    for i, impl in enumerate(dict.fromkeys(row["impl"] for row in family)):
+        points = sorted((_tokens(r), r[column]) for r in family if r["impl"] == impl)
+        ax.plot(*zip(*points), label=impl, **line_style(i, impl))
+    if column == "pct_of_copy":
+        ax.axhline(100, color="gray", linestyle="--", linewidth=1, label="device copy")
+    else:
+        ax.set_yscale("log")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def plot_op(rows, meta, out: Path) -> dict[str, Path]:
     """Latency and %-of-copy against tokens, one line per implementation: {plot name: png}."""
     try:
@@ -803,31 +829,17 @@ def plot_op(rows, meta, out: Path) -> dict[str, Path]:
     except ImportError:
         print("matplotlib is not installed: no plots")
         return {}
-    from matplotlib import colormaps
-
     family = largest_family([row for row in rows if row["median_us"] is not None])
     if not family:
         return {}
-    colors = colormaps[PLOT_COLORS]
     op, shape_tail = family[0]["op"], ", ".join(map(str, family[0]["shape"][1:]))
     paths = {}
     for plot, (column, ylabel) in PLOTS.items():
         fig = Figure(figsize=PLOT_SIZE_INCHES)
         FigureCanvasAgg(fig)  # render with Agg, whatever backend a notebook chose
         ax = fig.subplots()
-        for i, impl in enumerate(dict.fromkeys(row["impl"] for row in family)):
-            points = sorted((_tokens(r), r[column]) for r in family if r["impl"] == impl)
-            ax.plot(*zip(*points), color=colors(i % colors.N), linestyle="-" if i < colors.N else "--",
-                    marker=LEVEL_MARKERS.get(impl.split("_")[0], "D"), label=impl)
-        if plot == "pct_of_copy":
-            ax.axhline(100, color="gray", linestyle="--", linewidth=1, label="device copy")
-        else:
-            ax.set_yscale("log")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens")
-        ax.set_ylabel(ylabel)
+        draw_lines(ax, family, column, ylabel)
         ax.set_title(f"{op}, shape (tokens, {shape_tail}), {meta['dtype']}, {meta['gpu']}", fontsize="medium")
-        ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the lines
         paths[plot] = out / f"{op}_{meta['dtype']}_{plot}.png"
         fig.savefig(paths[plot], dpi=PLOT_DPI, bbox_inches="tight")
