@@ -458,20 +458,10 @@ def plot_rows(rows, title):
     if not family:
         print("no timed rows to plot")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
     for ax, (column, label) in zip(axes, bench.PLOTS.values()):
-        for impl in dict.fromkeys(r["impl"] for r in family):
-            points = sorted((r["shape"][0], r[column]) for r in family if r["impl"] == impl)
-            ax.plot(*zip(*points), marker="o", label=impl)
-        if column == "pct_of_copy":
-            ax.axhline(100, color="gray", linestyle="--", linewidth=1, label="device copy")
-        else:
-            ax.set_yscale("log")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
+        bench.draw_lines(ax, family, column, label)  # a colour per implementation, a marker per level
+    axes[1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     tail = ", ".join(map(str, family[0]["shape"][1:]))
     fig.suptitle(f"{OP}, shape (tokens, {tail}): {title}")
     fig.tight_layout()
