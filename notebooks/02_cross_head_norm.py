@@ -444,8 +444,9 @@ print("\nall runnable implementations agree" if failures == 0 else f"\n{failures
 # agreement, then times each by CUDA-graph replay over rotating input sets (median and p20-p80),
 # and reports GB/s from `bytes_moved` and percent of a device-to-device copy measured in the same
 # run. Set `COOKBOOK_BENCH_SHAPES=full` for the whole sweep (the default here, `quick`, times
-# the first, middle and last shapes). Without a GPU it shows the recorded results in
-# `docs/results/`.
+# the first, middle and last shapes, too few token counts for a line, so the plot then draws
+# this GPU's recorded full sweep from `docs/results/`). Without a GPU it shows the recorded
+# results in `docs/results/`.
 
 # %%
 import matplotlib.pyplot as plt
@@ -494,7 +495,13 @@ if ON_GPU:
     for shape in contract.BENCH_SHAPES:
         print(napkin(shape, {f"this {meta['gpu']} (measured above)": meta["copy_tb_per_s"]})[1])
     summarize_rows(bench_rows)
-    plot_rows(bench_rows, meta["gpu"])
+    recorded = ROOT / "docs" / "results" / f"{OP}_{meta['gpu_slug']}.json"
+    if SHAPES == "quick" and recorded.exists():  # a quick run times one or two token counts per shape
+        data = json.loads(recorded.read_text())  # so draw this GPU's recorded full sweep instead
+        meta_rec = data["metadata"]
+        plot_rows(data["rows"], f"{meta_rec['gpu']}, full sweep recorded {meta_rec['date'][:10]} at {meta_rec['commit']}")
+    else:
+        plot_rows(bench_rows, meta["gpu"])
 else:
     print("No CUDA GPU: the benchmark cells were skipped (timings under the simulator mean nothing).")
     pages = sorted((ROOT / "docs" / "results").glob(f"{OP}_*.md"))
