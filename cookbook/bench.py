@@ -787,6 +787,36 @@ def _tokens(row) -> int:
     return row["shape"][0]  # BENCH_SHAPES entries start with the token count
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordedSweep:
+    """A sweep the benchmark recorded in the docs: the page `{op}_{gpu}.md` and its rows, from the
+    JSON written beside it (`write_results_page`)."""
+
+    page: Path
+    rows: list
+    metadata: dict
+
+    @property
+    def title(self) -> str:
+        m = self.metadata
+        return f"{m['gpu']}, sweep recorded {m['date'][:10]} at {m['commit']}"
+
+
+def recorded_sweeps(op, results_dir, gpu_slug=None) -> list[RecordedSweep]:
+    """The sweeps of `op` recorded in `results_dir`, one per GPU (only `gpu_slug`'s when given):
+    what a notebook draws where it cannot time (no GPU) or timed too few points for a line (a
+    quick run). Only `{op}_{gpu}` pages count: not another op's whose name extends this one's
+    (`qk_norm_rope_h200` for `qk_norm`), nor the Nsight Compute and experiment pages."""
+    found = []
+    for path in sorted(Path(results_dir).glob(f"{op}_*.json")):
+        slug = path.stem[len(op) + 1:]
+        if not re.fullmatch(r"[a-z0-9]+", slug) or (gpu_slug is not None and slug != gpu_slug):
+            continue
+        data = json.loads(path.read_text())
+        found.append(RecordedSweep(path.with_suffix(".md"), data["rows"], data["metadata"]))
+    return found
+
+
 def largest_family(rows) -> list[dict]:
     """The rows whose shapes differ only in the token count, from the biggest such family."""
     families = {}

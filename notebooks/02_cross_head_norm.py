@@ -486,6 +486,7 @@ def summarize_rows(rows):
 
 
 SHAPES = os.environ.get("COOKBOOK_BENCH_SHAPES", "quick")
+RESULTS = ROOT / "docs" / "results"  # what `python -m cookbook bench` records
 if ON_GPU:
     BENCH_OUT = ROOT / "bench_out" / "notebook_02"
     bench_rows = bench.run(ops=[OP], shapes=SHAPES, out=BENCH_OUT, write_results=False,
@@ -495,26 +496,22 @@ if ON_GPU:
     for shape in contract.BENCH_SHAPES:
         print(napkin(shape, {f"this {meta['gpu']} (measured above)": meta["copy_tb_per_s"]})[1])
     summarize_rows(bench_rows)
-    recorded = ROOT / "docs" / "results" / f"{OP}_{meta['gpu_slug']}.json"
-    if SHAPES == "quick" and recorded.exists():  # a quick run times one or two token counts per shape
-        data = json.loads(recorded.read_text())  # so draw this GPU's recorded full sweep instead
-        meta_rec = data["metadata"]
-        plot_rows(data["rows"], f"{meta_rec['gpu']}, full sweep recorded {meta_rec['date'][:10]} at {meta_rec['commit']}")
-    else:
+    # A quick run times one or two token counts per shape: draw this GPU's recorded (full) sweep.
+    recorded = bench.recorded_sweeps(OP, RESULTS, meta["gpu_slug"]) if SHAPES == "quick" else []
+    for sweep in recorded:
+        plot_rows(sweep.rows, sweep.title)
+    if not recorded:
         plot_rows(bench_rows, meta["gpu"])
 else:
     print("No CUDA GPU: the benchmark cells were skipped (timings under the simulator mean nothing).")
-    pages = sorted((ROOT / "docs" / "results").glob(f"{OP}_*.md"))
-    if not pages:
+    recorded = bench.recorded_sweeps(OP, RESULTS)
+    if not recorded:
         print("No recorded GPU results in docs/results/ yet: `python -m cookbook bench` on a GPU writes them.")
-    for page in pages:
-        print(f"\nRecorded GPU results, {page.relative_to(ROOT)}:\n")
-        print(page.read_text())
-        recorded = page.with_suffix(".json")
-        if recorded.exists():
-            data = json.loads(recorded.read_text())
-            summarize_rows(data["rows"])
-            plot_rows(data["rows"], f"{data['metadata']['gpu']}, recorded {data['metadata']['date']}")
+    for sweep in recorded:
+        print(f"\nRecorded GPU results, {sweep.page.relative_to(ROOT)}:\n")
+        print(sweep.page.read_text())
+        summarize_rows(sweep.rows)
+        plot_rows(sweep.rows, sweep.title)
 
 # %% [markdown]
 # In the plot above (when there is one) we can see the two regimes of the napkin math. At one

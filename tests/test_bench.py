@@ -1,6 +1,8 @@
 """The benchmark harness on a CPU: the simulator tour on one tiny shape, and the pure helpers the
 GPU path relies on (percentiles, GPU names, rotating-set and replay sizing)."""
 
+import json
+
 import pytest
 import torch
 
@@ -144,6 +146,21 @@ def test_speedups_are_baseline_over_row():
 def test_largest_family_groups_shapes_by_everything_but_tokens():
     rows = [_row("cuda_v3", shape, 1.0) for shape in [(1, 64, 8, 128), (16, 64, 8, 128), (8192, 8, 1, 128)]]
     assert [row["shape"][0] for row in bench.largest_family(rows)] == [1, 16]
+
+
+def test_recorded_sweeps_are_the_ops_own_pages(tmp_path):
+    meta = {"gpu": "NVIDIA H200", "date": "2026-11-24T22:30:10+00:00", "commit": "0c1e3e2"}
+    for stem, op in (("qk_norm_h200", "qk_norm"), ("qk_norm_h100", "qk_norm"), ("qk_norm_rope_h200", "qk_norm_rope"),
+                     ("qk_norm_h200_experiment", "qk_norm")):
+        (tmp_path / f"{stem}.json").write_text(json.dumps({"metadata": meta, "rows": [{"op": op}]}))
+        (tmp_path / f"{stem}.md").write_text(stem)
+    found = bench.recorded_sweeps("qk_norm", tmp_path)  # not qk_norm_rope's page, nor an experiment's
+    assert [s.page.name for s in found] == ["qk_norm_h100.md", "qk_norm_h200.md"]
+    assert found[0].rows == [{"op": "qk_norm"}]
+    assert found[0].title == "NVIDIA H200, sweep recorded 2026-11-24 at 0c1e3e2"
+    assert [s.page.name for s in bench.recorded_sweeps("qk_norm", tmp_path, "h200")] == ["qk_norm_h200.md"]
+    assert bench.recorded_sweeps("qk_norm", tmp_path, "rtx4090") == []
+    assert [s.page.name for s in bench.recorded_sweeps("qk_norm_rope", tmp_path)] == ["qk_norm_rope_h200.md"]
 
 
 def test_markdown_table_pads_columns():
