@@ -101,6 +101,39 @@ def compile_header(op: str, arch: str = DEFAULT_ARCH) -> list[KernelResources]:
     return parse_ptxas(run.stderr)
 
 
+def torch_includes(scratch: Path) -> list[Path]:
+    """Torch's C++ include folders, for compiling a binding with nvcc alone. A CPU build of torch
+    ships the c10/cuda headers without the generated `cuda_cmake_macros.h`; it only holds export
+    macros, so a stand-in written under `scratch` is enough to compile (not link) a binding."""
+    import torch
+
+    root = Path(torch.__file__).parent / "include"
+    paths = [root, root / "torch" / "csrc" / "api" / "include"]
+    if not (root / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").exists():
+        stub = scratch / "c10" / "cuda" / "impl"
+        stub.mkdir(parents=True, exist_ok=True)
+        (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        paths.append(scratch)
+    return paths
+
+
+def compile_binding(op: str, arch: str = DEFAULT_ARCH) -> None:
+    """Compile (not link) the torch binding `kernels_cuda/bindings/<op>.cu` with nvcc alone, as CI
+    does without a GPU; raise with nvcc's output on failure."""
+    import sysconfig
+
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError("nvcc not found on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        includes = [KERNEL_DIR, *torch_includes(Path(tmp)), sysconfig.get_paths()["include"]]
+        cmd = [compiler, *NVCC_FLAGS, f"-arch={arch}", *(f"-I{p}" for p in includes), "-c",
+               str(KERNEL_DIR / "bindings" / f"{op}.cu"), "-o", str(Path(tmp) / "binding.o")]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"nvcc failed on bindings/{op}.cu:\n{run.stderr[-4000:]}")
+
+
 def parse_ptxas(log: str) -> list[KernelResources]:
     mangled, regs, spills = [], {}, {}
     current = None

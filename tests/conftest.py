@@ -20,3 +20,25 @@ settings.register_profile(
 )
 settings.register_profile("gpu", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if ON_GPU else "cpu"))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that wait for nvcc run last, so that its compiles (started below) overlap the rest."""
+    items.sort(key=lambda item: item.get_closest_marker("nvcc") is not None)  # stable: order kept otherwise
+
+
+def pytest_collection_finish(session):
+    import nvcc_jobs
+    from cookbook import nvcc_report
+
+    if nvcc_report.nvcc() is None or session.config.option.collectonly:
+        return
+    calls = [call for call in map(nvcc_jobs.call_of, session.items) if call is not None]
+    calls.sort(key=lambda call: call[0] is not nvcc_report.compile_header)  # the reports first: notebooks read them too
+    nvcc_jobs.start(calls)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import nvcc_jobs
+
+    nvcc_jobs.stop()
