@@ -19,11 +19,13 @@
 // v6: v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call
 // v7: v6 with no division on the device: where the call's rows fit in one trip of the grid (decode), one row per lane group, its token found by a multiply-high; otherwise v6's walk, its steps in tokens and heads computed by the launcher - removes the two calls into the 64-bit division routine every lane made before its first load (0.4 us of a decode call)
 // v8: v7 with the decode kernel's tables warmed before the wait: while the previous kernel still runs, the weights and each token's position and cos/sin run (aimed by a speculative L2-only read of the position) are prefetched into L2, each by one lane group; after the wait a lane reads its row's tables into registers together with the row - removes the position -> cos/sin chain of DRAM round trips (and the weights' own) from a decode call's critical path
+// v9: v8 with the walk's weights held: at prefill the grid is cut to whole tokens per step, so each lane group keeps one head for its whole walk and reads its columns of that head's weight once, before the walk, into registers - removes the two weight loads, and their wait, that v5-v8's walk issued for every row after its sum
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/qk_norm_rope.cu is the torch glue.
 #pragma once
 
 #include <cmath>
+#include <numeric>
 
 #include "include/common.cuh"
 
@@ -755,6 +757,31 @@ __device__ __forceinline__ TablesInRegisters<T, kHeadDim> load_row_tables(
   return t;
 }
 
+// v9's tables: the row's weights from registers, where the walk read them once (its lane group
+// keeps one head, so one tensor, for the whole walk), cos/sin read from memory after the sum as
+// TablesFromMemory does.
+template <typename T, int kHeadDim, bool kHfRounding, typename CacheT>
+struct TablesHeldWeights {
+  static constexpr int kUnits = V4Traits<T, kHeadDim>::kUnitsPerThread;
+  static constexpr int kVecElems = V4Traits<T, kHeadDim>::kVecElems;
+  const Params& p;
+  const LoadedRow<T, kUnits>& r;
+  const LaneUnits<kUnits>& u;
+  const float (&w_a)[kUnits][kVecElems];
+  const float (&w_b)[kUnits][kVecElems];
+
+  __device__ __forceinline__ void weights(int s, float (&a)[kVecElems], float (&b)[kVecElems]) const {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) {
+      a[j] = w_a[s][j];
+      b[j] = w_b[s][j];
+    }
+  }
+  __device__ __forceinline__ void cos_sin(int s, float (&cos)[kVecElems], float (&sin)[kVecElems]) const {
+    unit_cos_sin<T, kHfRounding, CacheT, kVecElems>(p, r.cache, u.unit[s], cos, sin);
+  }
+};
+
 // Normalizes, rotates and stores one loaded row, its tables taken from `tables`. Every lane of
 // the group calls it (the sum is a group shuffle); lanes of a row past the end stop after the sum.
 template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename Tables>
@@ -820,8 +847,10 @@ __device__ __forceinline__ void finish_row(const Params& p, const LoadedRow<T, V
 }
 
 // v4's walk: row = token * heads + head, advanced by the grid's row stride each step.
+// kHeldWeights (v9): the launcher made the grid's row stride whole tokens (p.head_step == 0), so a
+// lane group keeps its first row's head for the whole walk: its weight is read once, before it.
 template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT,
-          bool kHostSteps = false>
+          bool kHostSteps = false, bool kHeldWeights = false>
 __device__ __forceinline__ void walk_rows(const Params& p, int64_t rows) {
   using Tr = V4Traits<T, kHeadDim>;
   constexpr int kUnits = Tr::kUnitsPerThread;
@@ -848,6 +877,16 @@ __device__ __forceinline__ void walk_rows(const Params& p, int64_t rows) {
     head = static_cast<int>(my_first_row % heads);
   }
 
+  float w_a[kUnits][Tr::kVecElems], w_b[kUnits][Tr::kVecElems];
+  if constexpr (kHeldWeights) {
+    const void* w = head < p.num_q_heads ? p.q_weight : p.k_weight;
+#pragma unroll
+    for (int s = 0; s < kUnits; ++s) {
+      load_table<WeightT, Tr::kVecElems>(w, u.col_a[s], w_a[s]);
+      load_table<WeightT, Tr::kVecElems>(w, u.col_b[s], w_b[s]);
+    }
+  }
+
   // `first` is uniform across the block, so every lane runs the same iterations.
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * Tr::kGroupsPerBlock; first < rows; first += row_stride) {
     const LoadedRow<T, kUnits> r = load_row<T, kUnits>(p, first + group < rows, token, head, u);
@@ -857,8 +896,13 @@ __device__ __forceinline__ void walk_rows(const Params& p, int64_t rows) {
       head -= heads;
       ++token;
     }
-    const TablesFromMemory<T, kHeadDim, kHfRounding, WeightT, CacheT> tables{p, r, u};
-    finish_row<T, kHeadDim, kHfRounding, kNeox>(p, r, u, tables);
+    if constexpr (kHeldWeights) {
+      const TablesHeldWeights<T, kHeadDim, kHfRounding, CacheT> tables{p, r, u, w_a, w_b};
+      finish_row<T, kHeadDim, kHfRounding, kNeox>(p, r, u, tables);
+    } else {
+      const TablesFromMemory<T, kHeadDim, kHfRounding, WeightT, CacheT> tables{p, r, u};
+      finish_row<T, kHeadDim, kHfRounding, kNeox>(p, r, u, tables);
+    }
   }
 }
 
@@ -999,6 +1043,31 @@ __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
 // (v8) 1.25 / 1.78 against v7's 1.54 / 2.03 (qk_norm v12 lost 2-3x from 64 tokens up with a warm
 // per lane group). docs/qk_norm_rope.md has the sweep.
 // ------------------------------------------------------------------------------------------
+// v9: v8 with the walk's weights held: at prefill the grid is cut to whole tokens per step, so each lane group keeps one head for its whole walk and reads its columns of that head's weight once, before the walk, into registers - removes the two weight loads, and their wait, that v5-v8's walk issued for every row after its sum
+// A row's weight is q_weight or k_weight, the same for every head of its tensor. v5-v8's walk read
+// the row's two weight vectors per lane once the sum was done (L1 hits after the first row): two
+// loads and their latency on every row's path from the sum to the store. v9's launcher sizes the
+// persistent grid to a whole number of tokens' rows (whole_token_blocks: at most 1/32 of the
+// resident blocks left out and no lane group's walk made longer, else v8's walk), so the walk's
+// row stride is whole tokens and each lane group's rows are one head of successive tokens: one
+// tensor, one weight, read once after the wait and held as floats (walk_rows with kHeldWeights;
+// 16 registers). The kernel is compiled per storage pair of the tables, so its registers are
+// that pair's own.
+// Decode calls keep v8's one-row kernel, which reads the weights with the row. Probed on the H200
+// (bench harness, `build/` probe of v8's walk built for bf16 weights and a float32 cache, its
+// weights held as floats, against v8, % of the copy, two runs): flux_1024 NeoX 85.2 / 85.0 against
+// 84.0 / 84.1, interleaved 85.8 / 85.5 against 85.0 / 85.0, qwen_image_1024 87.4 / 87.3 against
+// 86.6 / 86.6. (Holding both weights packed and picking the row's by a select, on the grid v8
+// uses, took 64 registers and lost the interleaved kernel's fifth block: 84.4-84.5 % against v8's
+// 84.4-84.7 there, with NeoX at 85.3-85.4 against 84.7.) docs/qk_norm_rope.md has the sweep.
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT>
+__global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
+    qk_norm_rope_v9_kernel(Params p, int64_t rows) {
+  after_prior_grids();  // launched programmatically, as v6 on
+  walk_rows<T, kHeadDim, kHfRounding, kNeox, WeightT, CacheT, true, true>(p, rows);
+}
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 template <typename T, bool kHfRounding>
@@ -1101,13 +1170,66 @@ inline void launch_v7_neox_or_not(const Params& p, int64_t rows, cudaStream_t st
   launch_v7_layout<T, kHeadDim, kHfRounding, false, kOneRowWalk>(p, rows, stream);
 }
 
-// v7 and v8.
+// v9's grid: the most blocks, at most `resident`, whose lane groups are a whole number of tokens'
+// rows, so that a step of the walk leaves every lane group on its head (p.head_step == 0). 0, and
+// v8's walk runs instead, where that grid would leave more than 1 / kMaxIdleShare of the resident
+// blocks out (a head count with a large odd factor: 41 heads on 528 resident blocks keep 492), or
+// would give some lane group one row more to walk than the resident grid does: the call lasts
+// as long as its longest walk (8192 tokens x 72 heads on 522 blocks instead of 528: 36 rows
+// instead of 35, and 2 % slower on the H200).
+constexpr int64_t kMaxIdleShare = 32;
+
+inline int64_t whole_token_blocks(int64_t rows, int64_t resident, int groups_per_block, int heads) {
+  const int64_t blocks_per_token_cycle = heads / std::gcd(heads, groups_per_block);
+  const int64_t blocks = resident / blocks_per_token_cycle * blocks_per_token_cycle;
+  const auto longest_walk = [&](int64_t grid) {
+    const int64_t groups = grid * groups_per_block;
+    return (rows + groups - 1) / groups;
+  };
+  const bool few_left_out = blocks * kMaxIdleShare >= resident * (kMaxIdleShare - 1);
+  return blocks > 0 && few_left_out && longest_walk(blocks) == longest_walk(resident) ? blocks : 0;
+}
+
+// v9 for one layout and storage pair: its walk on a grid of whole tokens per step where the rows
+// need more than one trip of it, else v8 (its warmed one-row kernel, or its walk where no such
+// grid is close to the resident one).
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox, typename WeightT, typename CacheT>
+inline void launch_v9_pair(const Params& params, int64_t rows, cudaStream_t stream) {
+  using Tr = V4Traits<T, kHeadDim>;
+  constexpr auto kernel = qk_norm_rope_v9_kernel<T, kHeadDim, kHfRounding, kNeox, WeightT, CacheT>;
+  const int64_t needed = (rows + Tr::kGroupsPerBlock - 1) / Tr::kGroupsPerBlock;
+  const int64_t resident = persistent_grid_limit<kernel>(Tr::kThreadsPerBlock);
+  const int heads = params.num_q_heads + params.num_kv_heads;
+  const int64_t blocks = needed > resident ? whole_token_blocks(rows, resident, Tr::kGroupsPerBlock, heads) : 0;
+  if (blocks == 0) return launch_v7_layout<T, kHeadDim, kHfRounding, kNeox, kOneRowWarmed>(params, rows, stream);
+  Params p = params;
+  const int64_t row_stride = blocks * Tr::kGroupsPerBlock;
+  p.token_step = row_stride / heads;
+  p.head_step = 0;  // row_stride % heads, by whole_token_blocks
+  launch_kernel(true, kernel, dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreadsPerBlock), 0, stream, p, rows);
+}
+
+// v9's kernel is compiled per storage pair of the tables (v5-v8 branch into one of four loops
+// inside one kernel, whose registers are then the most any loop needs).
+template <typename T, int kHeadDim, bool kHfRounding, bool kNeox>
+inline void launch_v9_layout(const Params& p, int64_t rows, cudaStream_t stream) {
+  if (p.weight_is_fp32) {
+    if (p.cache_is_fp32) return launch_v9_pair<T, kHeadDim, kHfRounding, kNeox, float, float>(p, rows, stream);
+    return launch_v9_pair<T, kHeadDim, kHfRounding, kNeox, float, T>(p, rows, stream);
+  }
+  if (p.cache_is_fp32) return launch_v9_pair<T, kHeadDim, kHfRounding, kNeox, T, float>(p, rows, stream);
+  launch_v9_pair<T, kHeadDim, kHfRounding, kNeox, T, T>(p, rows, stream);
+}
+
+// v7, v8 and v9.
 template <typename T, int kHeadDim, bool kHfRounding>
 inline void launch_v7(const Params& p, int64_t rows, int version, cudaStream_t stream) {
   // 32-bit first rows: at most rows + a block's groups, below 2^32 (more rows run v6).
   if (rows > static_cast<int64_t>(INT32_MAX)) return launch_v5_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);
   if (version == 7) return launch_v7_neox_or_not<T, kHeadDim, kHfRounding, kOneRow>(p, rows, stream);
-  launch_v7_neox_or_not<T, kHeadDim, kHfRounding, kOneRowWarmed>(p, rows, stream);
+  if (version == 8) return launch_v7_neox_or_not<T, kHeadDim, kHfRounding, kOneRowWarmed>(p, rows, stream);
+  if (p.is_neox) return launch_v9_layout<T, kHeadDim, kHfRounding, true>(p, rows, stream);
+  launch_v9_layout<T, kHeadDim, kHfRounding, false>(p, rows, stream);
 }
 
 template <typename T, int kHeadDim, bool kHfRounding>
@@ -1119,7 +1241,7 @@ inline void launch_vector_path(const Params& p, int64_t rows, int version, cudaS
   launch_v7<T, kHeadDim, kHfRounding>(p, rows, version, stream);
 }
 
-// v3 to v8: the vector path where head_dim is specialized and the data aligned, else v2's
+// v3 to v9: the vector path where head_dim is specialized and the data aligned, else v2's
 // general path (any even head_dim / rope_dim, any alignment).
 template <typename T, bool kHfRounding>
 inline void launch_vector_or_general(const Params& p, int64_t rows, int version, cudaStream_t stream) {
@@ -1154,7 +1276,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 8;
+constexpr int kNumVersions = 9;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 // Version 1 needs `p.scratch` with scratch_elements(p, 1) floats.

@@ -134,11 +134,11 @@ def test_cuda_graph_capture_and_replay(version):
 # same with the tables warmed before the wait (v8).
 @pytest.mark.parametrize("version, tokens, is_neox, walk", [
     (7, 4096, True, 1), (7, 4096, False, 1), (7, 64, True, 2), (7, 1, False, 2), (6, 4096, True, 0), (6, 64, True, 0),
-    (8, 4096, True, 1), (8, 64, True, 3), (8, 1, False, 3)])
+    (8, 4096, True, 1), (8, 64, True, 3), (8, 1, False, 3), (9, 64, True, 3)])
 def test_v7_dispatch(version, tokens, is_neox, walk):
     """v7 walks a persistent grid with the launcher's steps where the rows need several trips of
     it (4096 tokens x 48 heads), and gives each lane group one row where they fit in one (decode);
-    v8 warms the tables of that one-row kernel only."""
+    v8 warms the tables of that one-row kernel only, and v9 keeps it."""
     from cookbook import cuda
 
     cuda.load(OP)
@@ -192,3 +192,39 @@ def test_compute_sanitizer_memcheck():
         capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0 and "ERROR SUMMARY: 0 errors" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+# qk_norm_rope_v9_kernel<T, head_dim, hf, neox, weight storage, cache storage>: v9's walk, compiled
+# per storage pair, where the rows need several trips of the grid (4096 tokens x 48 heads).
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("weight_dtype, cache_dtype, pair", [
+    (None, torch.float32, "__nv_bfloat16, float"), (torch.float32, torch.bfloat16, "float, __nv_bfloat16")])
+def test_v9_dispatch(is_neox, weight_dtype, cache_dtype, pair):
+    from cookbook import cuda
+
+    cuda.load(OP)
+    x = contract.make_inputs(4096, 24, 24, 128, 128, is_neox, torch.bfloat16, "cuda", seed=5, weight_dtype=weight_dtype,
+                             cache_dtype=cache_dtype)
+    names = launched_kernels(lambda: cuda.qk_norm_rope(x["q"], x["k"], x["q_weight"], x["k_weight"], x["cos_sin_cache"],
+                                                       x["positions"], 1e-6, 0.0, "fused", is_neox, 128, 0, version=9))
+    kernel = f"qk_norm_rope_v9_kernel<__nv_bfloat16, 128, false, {str(is_neox).lower()}, {pair}>"
+    assert any(kernel in name for name in names), names
+
+
+# v9's walk reads a lane group's weight once, from its first row's head: every head of both
+# tensors must come out with its own tensor's weight. q's and k's weights far apart, weight
+# counts whose grid of whole tokens is close to the resident one (32 + 8 heads) and one where it
+# may not be (40 + 1: 41 heads, v8's walk on 132-SM GPUs), 16-bit and float32 weights, both
+# roundings, both layouts, zero rows at eps = 0, an odd token count.
+@pytest.mark.parametrize("heads", [(32, 8), (40, 1)], ids=["40_heads", "41_heads"])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("rounding", ["fused", "hf"])
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32], ids=["weights_bf16", "weights_fp32"])
+def test_v9_held_weights(heads, is_neox, rounding, weight_dtype):
+    impl = registry.get(OP, "cuda_v9")
+    require(impl)
+    inputs = contract.make_inputs(2049, *heads, 128, 128, is_neox, torch.bfloat16, "cuda", seed=19, fused_qkv=True,
+                                  kind="zero_rows", position_offset=5, weight_dtype=weight_dtype)
+    inputs["q_weight"].copy_(torch.linspace(0.25, 2.0, 128, device="cuda"))
+    inputs["k_weight"].copy_(torch.linspace(-1.5, -0.125, 128, device="cuda"))
+    run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=0.5, rounding=rounding)
