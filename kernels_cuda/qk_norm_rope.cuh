@@ -717,6 +717,14 @@ struct TablesFromMemory {
   }
 };
 
+// Unit s's run of a table held in registers, as the array finish_row takes (register renaming,
+// no instructions).
+template <int kUnits, int kVecElems>
+__device__ __forceinline__ void held_unit(const float (&held)[kUnits][kVecElems], int s, float (&out)[kVecElems]) {
+#pragma unroll
+  for (int j = 0; j < kVecElems; ++j) out[j] = held[s][j];
+}
+
 template <typename T, int kHeadDim>
 struct TablesInRegisters {
   static constexpr int kUnits = V4Traits<T, kHeadDim>::kUnitsPerThread;
@@ -725,18 +733,12 @@ struct TablesInRegisters {
   float cos[kUnits][kVecElems], sin[kUnits][kVecElems];  // rotated units only
 
   __device__ __forceinline__ void weights(int s, float (&a)[kVecElems], float (&b)[kVecElems]) const {
-#pragma unroll
-    for (int j = 0; j < kVecElems; ++j) {
-      a[j] = wa[s][j];
-      b[j] = wb[s][j];
-    }
+    held_unit(wa, s, a);
+    held_unit(wb, s, b);
   }
   __device__ __forceinline__ void cos_sin(int s, float (&c)[kVecElems], float (&n)[kVecElems]) const {
-#pragma unroll
-    for (int j = 0; j < kVecElems; ++j) {
-      c[j] = cos[s][j];
-      n[j] = sin[s][j];
-    }
+    held_unit(cos, s, c);
+    held_unit(sin, s, n);
   }
 };
 
@@ -757,28 +759,18 @@ __device__ __forceinline__ TablesInRegisters<T, kHeadDim> load_row_tables(
   return t;
 }
 
-// v9's tables: the row's weights from registers, where the walk read them once (its lane group
-// keeps one head, so one tensor, for the whole walk), cos/sin read from memory after the sum as
-// TablesFromMemory does.
-template <typename T, int kHeadDim, bool kHfRounding, typename CacheT>
-struct TablesHeldWeights {
-  static constexpr int kUnits = V4Traits<T, kHeadDim>::kUnitsPerThread;
-  static constexpr int kVecElems = V4Traits<T, kHeadDim>::kVecElems;
-  const Params& p;
-  const LoadedRow<T, kUnits>& r;
-  const LaneUnits<kUnits>& u;
-  const float (&w_a)[kUnits][kVecElems];
-  const float (&w_b)[kUnits][kVecElems];
+// v9's tables: TablesFromMemory's (cos/sin read after the sum), except the row's weights, which
+// come from registers where the walk read them once (its lane group keeps one head, so one
+// tensor, for the whole walk).
+template <typename T, int kHeadDim, bool kHfRounding, typename WeightT, typename CacheT>
+struct TablesHeldWeights : TablesFromMemory<T, kHeadDim, kHfRounding, WeightT, CacheT> {
+  using Base = TablesFromMemory<T, kHeadDim, kHfRounding, WeightT, CacheT>;
+  const float (&w_a)[Base::kUnits][Base::kVecElems];
+  const float (&w_b)[Base::kUnits][Base::kVecElems];
 
-  __device__ __forceinline__ void weights(int s, float (&a)[kVecElems], float (&b)[kVecElems]) const {
-#pragma unroll
-    for (int j = 0; j < kVecElems; ++j) {
-      a[j] = w_a[s][j];
-      b[j] = w_b[s][j];
-    }
-  }
-  __device__ __forceinline__ void cos_sin(int s, float (&cos)[kVecElems], float (&sin)[kVecElems]) const {
-    unit_cos_sin<T, kHfRounding, CacheT, kVecElems>(p, r.cache, u.unit[s], cos, sin);
+  __device__ __forceinline__ void weights(int s, float (&a)[Base::kVecElems], float (&b)[Base::kVecElems]) const {
+    held_unit(w_a, s, a);
+    held_unit(w_b, s, b);
   }
 };
 
@@ -897,7 +889,7 @@ __device__ __forceinline__ void walk_rows(const Params& p, int64_t rows) {
       ++token;
     }
     if constexpr (kHeldWeights) {
-      const TablesHeldWeights<T, kHeadDim, kHfRounding, CacheT> tables{p, r, u, w_a, w_b};
+      const TablesHeldWeights<T, kHeadDim, kHfRounding, WeightT, CacheT> tables{{p, r, u}, w_a, w_b};
       finish_row<T, kHeadDim, kHfRounding, kNeox>(p, r, u, tables);
     } else {
       const TablesFromMemory<T, kHeadDim, kHfRounding, WeightT, CacheT> tables{p, r, u};
