@@ -19,6 +19,7 @@
 // v9: v8 with, where q and k are views of one tensor of token rows (a fused qkv projection) and the rows fill the GPU at least three times, the CTAs of a token's q row and k row launched next to each other instead of all q rows before all k rows - removes v8's sparse streams over the fused rows: the rows in flight together now lie side by side in memory (at q, k and v 8192 bf16 wide, 32 KiB of every 48 KiB instead of 16)
 // v10: v9 with, at calls of fewer than three waves of CTAs (decode and small batches), each thread's weight vectors loaded with its row (issued just before it), before the block sum, and held in registers until the store - removes the weight loads that v3-v9 issue after the reduction: a memory round trip on the critical path of every CTA, which only calls of many waves hide
 // v11: v10 with, at calls of one to three waves of CTAs, each CTA warming into L2 the row of the CTA a wave after it once its own row's loads are issued - removes the DRAM round trip that every CTA of the later waves waited for before its block sum
+// v12: v11 with, on v9's token-major grid, v3's kernel compiled for its four-warp CTA (the block size a compile-time constant, also where v7 launches fewer threads) - removes the run-time block size from the address and the bound of every vector a thread loads and stores, in the calls that move the most bytes
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -305,27 +306,33 @@ __device__ __forceinline__ void warm_row_ahead(const Params& p) {
 // kWeightsWithRow (v10): the thread's weight vectors are loaded with its row (just before it),
 // before the block sum, and held in registers until the store.
 // kWarmAhead (v11): once the row's loads are issued, the row a wave ahead is warmed into L2.
+// kBlockThreads (v12): the block's thread count fixed at compile time (0: blockDim.x at run time).
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false,
-          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false>
-__global__ void __launch_bounds__(kV3MaxThreads) cross_head_norm_v3_kernel(Params p) {
+          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, int kBlockThreads = 0>
+__global__ void __launch_bounds__(kBlockThreads > 0 ? kBlockThreads : kV3MaxThreads) cross_head_norm_v3_kernel(Params p) {
   static_assert(kVecsPerThread >= 1 && kVecsPerThread <= kV3MaxVecsPerThread, "a thread holds 1..8 vectors");
+  static_assert(kBlockThreads == 0 || (valid_block_size<kBlockThreads> && kBlockThreads <= kV3MaxThreads),
+                "v12: a fixed block is whole warps within v3's bound");
+  // The stride between a thread's vectors: a constant with kBlockThreads, so each vector's address
+  // is the thread's first one plus an immediate offset.
+  const int stride = kBlockThreads > 0 ? kBlockThreads : static_cast<int>(blockDim.x);
   if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
   const Row<T> r = kTokenMajor ? locate_row<T>(p, blockIdx.x / kNumTensors, static_cast<int>(blockIdx.x % kNumTensors))
                                : locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
   Vec<T> x[kVecsPerThread];  // kept packed across the block reduction: half the registers of float32
   if constexpr (kWeightsWithRow) {
     RawWeights<T> w[kVecsPerThread];
-    load_row_weights<T, kVecsPerThread>(r, threadIdx.x, blockDim.x, w);  // issued before the sum waits on x
-    const float sum_sq = load_row_vectors<T, kVecsPerThread, kStreaming>(r, threadIdx.x, blockDim.x, x);
+    load_row_weights<T, kVecsPerThread>(r, threadIdx.x, stride, w);  // issued before the sum waits on x
+    const float sum_sq = load_row_vectors<T, kVecsPerThread, kStreaming>(r, threadIdx.x, stride, x);
     if constexpr (kWarmAhead) warm_row_ahead<T, kTokenMajor>(p);
     const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
-    store_row_vectors_held<T, kVecsPerThread, kHfRounding, kStreaming>(r, threadIdx.x, blockDim.x, x, w, rstd,
+    store_row_vectors_held<T, kVecsPerThread, kHfRounding, kStreaming>(r, threadIdx.x, stride, x, w, rstd,
                                                                        p.weight_offset);
   } else {
-    const float sum_sq = load_row_vectors<T, kVecsPerThread, kStreaming>(r, threadIdx.x, blockDim.x, x);
+    const float sum_sq = load_row_vectors<T, kVecsPerThread, kStreaming>(r, threadIdx.x, stride, x);
     if constexpr (kWarmAhead) warm_row_ahead<T, kTokenMajor>(p);
     const float rstd = rstd_from(block_sum(sum_sq), static_cast<float>(r.hidden), p.eps);
-    store_row_vectors<T, kVecsPerThread, kHfRounding, kStreaming>(r, threadIdx.x, blockDim.x, x, rstd, p.weight_offset);
+    store_row_vectors<T, kVecsPerThread, kHfRounding, kStreaming>(r, threadIdx.x, stride, x, rstd, p.weight_offset);
   }
 }
 
@@ -521,6 +528,18 @@ static_assert(kV10MaxHeldVecs <= kV3MaxVecsPerThread, "v10 holds at most v3's ve
 // 9.53 (77.3 -> 83.8 % of the copy, past a same-size copy_'s 81 %), 1024 x 5120/1024 8.96 ->
 // 8.62. docs/cross_head_norm.md has the H200 page.
 // ------------------------------------------------------------------------------------------
+// v12: v11 with, on v9's token-major grid, v3's kernel compiled for its four-warp CTA (the block size a compile-time constant, also where v7 launches fewer threads) - removes the run-time block size from the address and the bound of every vector a thread loads and stores, in the calls that move the most bytes
+// v3's kernel with kBlockThreads = kV7Threads where v9 launches it on the (token, tensor) grid
+// (fused q and k views, kV9MinWaves waves or more). v3-v11 stride a thread's vectors by
+// blockDim.x, a value the compiler only sees at run time, so each of up to eight vectors needs its
+// own address and bound arithmetic; with the block size a constant, a thread's vectors are its
+// first address plus fixed offsets. v7 sizes the block to the wider row (96 threads at 6144
+// bf16 elements and 8 vectors each); v12 launches kV7Threads there too, and the vectors past the
+// row's end stay unused, as they do for the narrower tensor. Measured on the H200 (bench harness,
+// the kernel built as an experiment next to v11, two alternating runs, % of the copy, v11 -> v12):
+// 2048 x 8192 87.1 -> 87.5, 8192 x 8192 93.8-93.9 -> 94.5, 4096 x 6144/1024 88.9-89.5 -> 90.2-90.4.
+// docs/cross_head_norm.md has the sweep.
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 inline dim3 token_tensor_grid(const Params& p) {
@@ -544,12 +563,14 @@ inline int v3_threads(int widest_vecs, int vecs_per_thread) {
   return (threads_needed + kWarpSize - 1) / kWarpSize * kWarpSize;
 }
 
+// kBlockThreads (v12): launched at that many threads, which must hold the wider row at
+// kVecsPerThread vectors each (the caller checks).
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming, bool kProgrammatic,
-          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false>
+          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, int kBlockThreads = 0>
 inline void launch_v3_fixed(const Params& params, int widest_vecs, cudaStream_t stream) {
   constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic,
-                                                    kTokenMajor, kWeightsWithRow, kWarmAhead>;
-  const int threads = v3_threads(widest_vecs, kVecsPerThread);
+                                                    kTokenMajor, kWeightsWithRow, kWarmAhead, kBlockThreads>;
+  const int threads = kBlockThreads > 0 ? kBlockThreads : v3_threads(widest_vecs, kVecsPerThread);
   Params p = params;
   if constexpr (kWarmAhead) p.rows_ahead = persistent_grid_limit<kernel>(threads);  // v11: a wave of CTAs
   const dim3 grid = kTokenMajor ? dim3(static_cast<unsigned>(p.num_tokens * kNumTensors)) : token_tensor_grid(p);
@@ -570,9 +591,10 @@ inline bool vector_aligned(const Params& p) {
 // kTokenMajor (v9): on the (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 // kWeightsWithRow (v10): below kV9MinWaves waves, the kernel that loads the weights with the row
 // (at most kV10MaxHeldVecs vectors per thread). kWarmAhead (v11): below kV9MinWaves waves, the
-// kernels that warm the row a wave ahead.
+// kernels that warm the row a wave ahead. kFixedBlock (v12): on the token-major grid, the kernel
+// compiled for kV7Threads threads.
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false,
-          bool kWarmAhead = false>
+          bool kWarmAhead = false, bool kFixedBlock = false>
 inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStream_t stream) {
   constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true>;
   constexpr auto token_major_kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true, true>;
@@ -582,7 +604,15 @@ inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStr
   if (rows < persistent_grid_limit<kernel>(threads)) return false;
   const bool many_waves = rows >= kV9MinWaves * static_cast<int64_t>(persistent_grid_limit<token_major_kernel>(threads));
   if (kTokenMajor && many_waves) {
-    launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, true>(p, widest_vecs, stream);
+    // v12: kV7Threads threads where they hold the wider row at kVecsPerThread vectors each (float32
+    // rows past 4096 elements need more: v3_threads' block, at run time, as in v9). The waves are
+    // counted with v9's kernel, as in v11: v12 changes the kernel, not where it runs.
+    if (kFixedBlock && widest_vecs <= kV7Threads * kVecsPerThread) {
+      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, true, false, false, kFixedBlock ? kV7Threads : 0>(
+          p, widest_vecs, stream);
+    } else {
+      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, true>(p, widest_vecs, stream);
+    }
     return true;
   }
   if (!many_waves) {
@@ -622,7 +652,7 @@ inline void launch_v3_below_a_wave(const Params& p, int widest_vecs, cudaStream_
 // row in kV7Threads threads (at most kV3MaxVecsPerThread). kTokenMajor (v9): those on the
 // (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
-          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false>
+          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, bool kFixedBlock = false>
 inline void launch_v3(const Params& p, cudaStream_t stream) {
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   if (vector_aligned<T>(p)) {
@@ -631,10 +661,10 @@ inline void launch_v3(const Params& p, cudaStream_t stream) {
       static_assert(kStreaming && kProgrammatic, "v7 builds on v6");
       const int vecs = (widest_vecs + kV7Threads - 1) / kV7Threads;  // per thread, at kV7Threads threads
       const bool fits = widest <= V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden;  // else v2, below
-      constexpr bool kW = kWeightsWithRow, kA = kWarmAhead;
-      if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding, kTokenMajor, kW, kA>(p, widest_vecs, stream)) return;
-      if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding, kTokenMajor, kW, kA>(p, widest_vecs, stream)) return;
-      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding, kTokenMajor, kW, kA>(p, widest_vecs, stream)) {
+      constexpr bool kW = kWeightsWithRow, kA = kWarmAhead, kF = kFixedBlock;
+      if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding, kTokenMajor, kW, kA, kF>(p, widest_vecs, stream)) return;
+      if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding, kTokenMajor, kW, kA, kF>(p, widest_vecs, stream)) return;
+      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding, kTokenMajor, kW, kA, kF>(p, widest_vecs, stream)) {
         return;
       }
     }
@@ -679,14 +709,14 @@ inline size_t v4_shared_bytes(const Params& p) {
 // kFillGpu: v7, v6 with v3's vectors per thread picked for the row count.
 // kTokenMajor: v9, v7's kernels on the (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
-          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false>
+          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, bool kFixedBlock = false>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
   constexpr int kWidestForV3 = kStreaming ? V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden : V3Traits<T, 2>::kMaxHidden;
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   const size_t shared_bytes = widest > kWidestForV3 ? v4_shared_bytes<T, kHfRounding, kStreaming, kProgrammatic>(p) : 0;
   if (shared_bytes == 0) {
-    return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu, kTokenMajor, kWeightsWithRow, kWarmAhead>(p,
-                                                                                                              stream);
+    return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu, kTokenMajor, kWeightsWithRow, kWarmAhead,
+                     kFixedBlock>(p, stream);
   }
   constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding, kStreaming, kProgrammatic>;
   launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(kV4Threads), shared_bytes, stream, p);
@@ -695,14 +725,15 @@ inline void launch_v4(const Params& p, cudaStream_t stream) {
 // v8's dispatch: rows of at most kV8MaxVecs vectors (16-byte aligned) at batches of at least
 // kV8TokensPerVector tokens per vector of a token (q's and k's) run the warp-per-token kernel at
 // the fewest vectors per lane that hold the wider row; the rest run v7 (kTokenMajor: v9's grid).
-template <typename T, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false>
+template <typename T, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false,
+          bool kFixedBlock = false>
 inline void launch_v8(const Params& p, cudaStream_t stream) {
   const int q_vecs = p.q_hidden / Vec<T>::kElems, k_vecs = p.k_hidden / Vec<T>::kElems;
   const int widest_vecs = q_vecs > k_vecs ? q_vecs : k_vecs;
   const bool warp_per_token = vector_aligned<T>(p) && widest_vecs <= kV8MaxVecs &&
                               p.num_tokens >= kV8TokensPerVector * static_cast<int64_t>(q_vecs + k_vecs);
   if (!warp_per_token) {  // v7's kernels
-    return launch_v4<T, kHfRounding, true, true, true, kTokenMajor, kWeightsWithRow, kWarmAhead>(p, stream);
+    return launch_v4<T, kHfRounding, true, true, true, kTokenMajor, kWeightsWithRow, kWarmAhead, kFixedBlock>(p, stream);
   }
   const dim3 grid(static_cast<unsigned>((p.num_tokens + kV8Warps - 1) / kV8Warps));
   const int vecs_per_lane = (widest_vecs + kWarpSize - 1) / kWarpSize;
@@ -729,10 +760,11 @@ inline bool token_major_grid_fits(const Params& p) {
 
 // kWeightsWithRow: v10, v9 with the weights loaded with the row below kV9MinWaves waves.
 // kWarmAhead: v11, v10 with the row a wave ahead warmed below kV9MinWaves waves.
-template <typename T, bool kHfRounding, bool kWeightsWithRow = false, bool kWarmAhead = false>
+// kFixedBlock: v12, v11 with the token-major kernel compiled for kV7Threads threads.
+template <typename T, bool kHfRounding, bool kWeightsWithRow = false, bool kWarmAhead = false, bool kFixedBlock = false>
 inline void launch_v9(const Params& p, cudaStream_t stream) {
   if (token_major_grid_fits(p)) {
-    return launch_v8<T, kHfRounding, true, kWeightsWithRow, kWarmAhead>(p, stream);
+    return launch_v8<T, kHfRounding, true, kWeightsWithRow, kWarmAhead, kFixedBlock>(p, stream);
   }
   launch_v8<T, kHfRounding, false, kWeightsWithRow, kWarmAhead>(p, stream);
 }
@@ -750,7 +782,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 8: return launch_v8<T, kHfRounding>(p, stream);
     case 9: return launch_v9<T, kHfRounding>(p, stream);
     case 10: return launch_v9<T, kHfRounding, true>(p, stream);
-    default: return launch_v9<T, kHfRounding, true, true>(p, stream);  // v11
+    case 11: return launch_v9<T, kHfRounding, true, true>(p, stream);
+    default: return launch_v9<T, kHfRounding, true, true, true>(p, stream);  // v12
   }
 }
 
@@ -763,7 +796,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 11;
+constexpr int kNumVersions = 12;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

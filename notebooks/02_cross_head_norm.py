@@ -322,6 +322,15 @@ for impl in cuda_versions:
 #   -> 9.56 us at 1024 x 4096 (77 -> 83 % of the copy, past a same-size `copy_`'s 81 %), 8.94 ->
 #   8.61 at 1024 x 5120/1024. Not at three waves or more: there the CTAs in flight keep the DRAM
 #   busy alone, and the second request per line cost 1.5 % on an H100.
+# * **v12** compiles v9's token-major kernel for its four-warp CTA. v3-v11 stride a thread's
+#   vectors by `blockDim.x`, which the compiler only sees at run time; with the block size a
+#   template argument, a thread's eight vectors are its first address plus constant offsets (856
+#   SASS instructions instead of 880, 13 fewer integer multiply-adds, 58 registers instead of 59:
+#   the same 8 CTAs per SM). At 6144/1024 it also launches 128 threads where v7 sized the block to
+#   96. On the H200, side by side with v11 (two runs each): 36.7 -> 36.6 us at 2048 x 8192 (87.3
+#   -> 87.8 % of the copy), 136.8 -> 135.8 us at 8192 x 8192 (93.8 -> 94.5 %), 31.5 -> 31.1 us at
+#   4096 x 6144/1024 (89 -> 90 %). The gain is small: this kernel's time is the DRAM's, and
+#   Section 9's sweep shows how far from the copy it still is at 2048 x 8192.
 #
 # ## 7. What the compiler says: registers, and the occupancy they allow
 #
@@ -528,7 +537,8 @@ else:
 # shapes of three waves or more, where pairing a token's q and k CTAs gains 2-8 %; v10 is v9
 # except at one and 16 tokens and at 1024 x 4096, where loading the weights with the row takes
 # 6-15 % off; v11 is v10 except at 1024 x 4096 and 1024 x 5120/1024, where warming the next
-# wave's rows takes another 4-7 % off.
+# wave's rows takes another 4-7 % off; v12 is v11 except at the fused shapes of three waves or
+# more, where its compile-time block takes 0.3-1.5 % off.
 # The summary above the plot says, per shape, which implementation was fastest and how the
 # last version compares with eager PyTorch and `torch.compile`.
 #

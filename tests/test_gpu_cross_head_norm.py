@@ -151,6 +151,31 @@ def test_v11_dispatch(shape, ahead):
     check_dispatch(OP, 11, make, picked)
 
 
+# v12 launches v9's token-major kernel compiled for kV7Threads (its last template argument, 128)
+# where v9 takes the token-major grid (fused views of three waves or more; 6144/1024 included, where
+# v7 would launch 96 threads) and 128 threads hold the wider row: not float32 rows of 8192 (16
+# vectors per thread at 128 threads; v9's 256-thread kernel), separate tensors or 1.9-wave calls.
+@pytest.mark.parametrize("shape, dtype, fused_qkv, fixed",
+                         [((2048, 8192, 8192), torch.bfloat16, True, True),
+                          ((4096, 6144, 1024), torch.bfloat16, True, True),
+                          ((2048, 4096, 1024), torch.float32, True, True),
+                          ((2048, 8192, 8192), torch.float32, True, False),
+                          ((2048, 8192, 8192), torch.bfloat16, False, False),
+                          ((1023, 5120, 1024), torch.bfloat16, True, False)],
+                         ids=["2048x8192-fused", "4096x6144x1024-fused", "2048x4096x1024-fp32-fused",
+                              "2048x8192-fp32-fused", "2048x8192-separate", "1023x5120x1024-fused"])
+def test_v12_dispatch(shape, dtype, fused_qkv, fixed):
+    def make(seed, weight_dtype):
+        return contract.make_inputs(*shape, dtype, "cuda", seed=seed, fused_qkv=fused_qkv, kind="zero_rows",
+                                    weight_dtype=weight_dtype)
+
+    def picked(names):  # one v3 kernel, its kBlockThreads as expected
+        v3 = [template_args(n) for n in names if "cross_head_norm_v3_kernel" in n]
+        return len(v3) == 1 and v3[0][8] == ("128" if fixed else "0")
+
+    check_dispatch(OP, 12, make, picked)
+
+
 @pytest.mark.parametrize("impl", kernel_impls(OP))
 def test_token_stride_beyond_int32(impl):
     """A token stride over 2^31 elements must not overflow the kernels' index arithmetic."""
