@@ -530,7 +530,9 @@ static_assert(kV10MaxHeldVecs <= kV3MaxVecsPerThread, "v10 holds at most v3's ve
 // ------------------------------------------------------------------------------------------
 // v12: v11 with, on v9's token-major grid, v3's kernel compiled for its four-warp CTA (the block size a compile-time constant, also where v7 launches fewer threads) - removes the run-time block size from the address and the bound of every vector a thread loads and stores, in the calls that move the most bytes
 // v3's kernel with kBlockThreads = kV7Threads where v9 launches it on the (token, tensor) grid
-// (fused q and k views, kV9MinWaves waves or more). v3-v11 stride a thread's vectors by
+// (fused q and k views, kV9MinWaves waves or more) and kV7Threads threads hold the wider row at
+// the kernel's vectors per thread (float32 rows past 4096 elements keep v9's larger block, set at
+// run time). v3-v11 stride a thread's vectors by
 // blockDim.x, a value the compiler only sees at run time, so each of up to eight vectors needs its
 // own address and bound arithmetic; with the block size a constant, a thread's vectors are its
 // first address plus fixed offsets. v7 sizes the block to the wider row (96 threads at 6144
