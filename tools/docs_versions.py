@@ -65,7 +65,8 @@ NAMED_KERNELS = {
 # up to eight vectors per thread where the rows fill the GPU (the eight-vector kernel named; v8's
 # warp-per-token kernels come out of the pattern as one cell, per vectors per lane), v9 the same
 # kernel on its (token, tensor) grid (named), v10 the same with the weights loaded with the row
-# (its four-vector kernel named), v11 that kernel warming the row a wave ahead (named);
+# (its four-vector kernel named), v11 that kernel warming the row a wave ahead (named), v12 v9's
+# token-major kernel compiled for 128 threads (named);
 # qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named; v7's walk, v8's warmed
 # one-row kernel; v9's walk, compiled per storage pair, named for the benchmark's: bf16 weights,
 # a float32 cache).
