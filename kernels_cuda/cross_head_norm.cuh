@@ -20,6 +20,7 @@
 // v10: v9 with, at calls of fewer than three waves of CTAs (decode and small batches), each thread's weight vectors loaded with its row (issued just before it), before the block sum, and held in registers until the store - removes the weight loads that v3-v9 issue after the reduction: a memory round trip on the critical path of every CTA, which only calls of many waves hide
 // v11: v10 with, at calls of one to three waves of CTAs, each CTA warming into L2 the row of the CTA a wave after it once its own row's loads are issued - removes the DRAM round trip that every CTA of the later waves waited for before its block sum
 // v12: v11 with, on v9's token-major grid, v3's kernel compiled for its four-warp CTA (the block size a compile-time constant, also where v7 launches fewer threads) - removes the run-time block size from the address and the bound of every vector a thread loads and stores, in the calls that move the most bytes
+// v13: v12 with, at calls of a wave of CTAs or more that move at most 192 MiB, the first CTAs in grid order (4 MiB of rows) warming their own row into L2 before the programmatic wait - removes part of each call's start: the first wave's DRAM round trip, begun while the previous kernel drains
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -42,6 +43,7 @@ struct Params {
   float eps;
   float weight_offset;
   int64_t rows_ahead;  // v11: a wave of resident CTAs, how far ahead in grid order a CTA warms a row (the launcher sets it)
+  int64_t warm_first_ctas;  // v13: the CTAs, first in grid order, that warm their own row before the wait (the launcher sets it)
 };
 
 // Which tensor a CTA normalizes: blockIdx.y in v2 and v3, an index into v1's two sums.
@@ -288,16 +290,25 @@ __device__ __forceinline__ void store_row_vectors_held(const Row<T>& r, int firs
 
 // For v11: the row of the CTA p.rows_ahead after this one in grid order (a CTA of the next wave)
 // brought into L2, one prefetch per 128-byte line, spread over the block's threads.
+template <typename T>
+__device__ __forceinline__ void warm_row(const Row<T>& r) {
+  for (int col = threadIdx.x * kL2LineElems<T>; col < r.hidden; col += blockDim.x * kL2LineElems<T>) warm_l2(r.x + col);
+}
+
+// The CTA's place in grid order (the order CTAs are dispatched in): grid.x alone on v9's grid,
+// x fastest then y on the (token, tensor) grid.
+template <bool kTokenMajor>
+__device__ __forceinline__ int64_t cta_in_grid_order() {
+  return kTokenMajor ? static_cast<int64_t>(blockIdx.x) : static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+}
+
 template <typename T, bool kTokenMajor>
 __device__ __forceinline__ void warm_row_ahead(const Params& p) {
-  const int64_t cta = kTokenMajor ? static_cast<int64_t>(blockIdx.x)
-                                  : static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
-  const int64_t ahead = cta + p.rows_ahead;
+  const int64_t ahead = cta_in_grid_order<kTokenMajor>() + p.rows_ahead;
   const int64_t token = kTokenMajor ? ahead / kNumTensors : ahead % gridDim.x;
   const int64_t tensor = kTokenMajor ? ahead % kNumTensors : ahead / gridDim.x;
   if (tensor >= kNumTensors || token >= p.num_tokens) return;
-  const Row<T> r = locate_row<T>(p, token, static_cast<int>(tensor));
-  for (int col = threadIdx.x * kL2LineElems<T>; col < r.hidden; col += blockDim.x * kL2LineElems<T>) warm_l2(r.x + col);
+  warm_row(locate_row<T>(p, token, static_cast<int>(tensor)));
 }
 
 // kStreaming (v5): x is read and written by streaming global accesses (load_vec_streaming).
@@ -307,8 +318,11 @@ __device__ __forceinline__ void warm_row_ahead(const Params& p) {
 // before the block sum, and held in registers until the store.
 // kWarmAhead (v11): once the row's loads are issued, the row a wave ahead is warmed into L2.
 // kBlockThreads (v12): the block's thread count fixed at compile time (0: blockDim.x at run time).
+// kWarmOwnRow (v13): the first p.warm_first_ctas CTAs in grid order warm their own row into L2
+// before the programmatic wait (warm_l2 says why that is safe).
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false,
-          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, int kBlockThreads = 0>
+          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, int kBlockThreads = 0,
+          bool kWarmOwnRow = false>
 __global__ void __launch_bounds__(kBlockThreads > 0 ? kBlockThreads : kV3MaxThreads) cross_head_norm_v3_kernel(Params p) {
   static_assert(kVecsPerThread >= 1 && kVecsPerThread <= kV3MaxVecsPerThread, "a thread holds 1..8 vectors");
   static_assert(kBlockThreads == 0 || (valid_block_size<kBlockThreads> && kBlockThreads <= kV3MaxThreads),
@@ -316,9 +330,13 @@ __global__ void __launch_bounds__(kBlockThreads > 0 ? kBlockThreads : kV3MaxThre
   // The stride between a thread's vectors: a constant with kBlockThreads, so each vector's address
   // is the thread's first one plus an immediate offset.
   const int stride = kBlockThreads > 0 ? kBlockThreads : static_cast<int>(blockDim.x);
-  if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
+  // Where the row lies comes from the kernel's parameters alone, so it may be found before the wait.
   const Row<T> r = kTokenMajor ? locate_row<T>(p, blockIdx.x / kNumTensors, static_cast<int>(blockIdx.x % kNumTensors))
                                : locate_row<T>(p, blockIdx.x, static_cast<int>(blockIdx.y));
+  if constexpr (kWarmOwnRow) {
+    if (cta_in_grid_order<kTokenMajor>() < p.warm_first_ctas) warm_row(r);  // v13: while the previous kernel drains
+  }
+  if constexpr (kProgrammatic) after_prior_grids();  // v6: read nothing before the previous kernel is done
   Vec<T> x[kVecsPerThread];  // kept packed across the block reduction: half the registers of float32
   if constexpr (kWeightsWithRow) {
     RawWeights<T> w[kVecsPerThread];
@@ -542,6 +560,46 @@ static_assert(kV10MaxHeldVecs <= kV3MaxVecsPerThread, "v10 holds at most v3's ve
 // 2048 x 8192 87.1 -> 87.5, 8192 x 8192 93.8-93.9 -> 94.5, 4096 x 6144/1024 88.9-89.5 -> 90.2-90.4.
 // docs/cross_head_norm.md has the sweep.
 // ------------------------------------------------------------------------------------------
+// v13: v12 with, at calls of a wave of CTAs or more that move at most 192 MiB, the first CTAs in grid order (4 MiB of rows) warming their own row into L2 before the programmatic wait - removes part of each call's start: the first wave's DRAM round trip, begun while the previous kernel drains
+// A programmatic launch's CTAs become resident while the previous kernel's last CTAs run (v6),
+// and until now they sat in griddepcontrol.wait with nothing in flight; the first wave then
+// asked for its rows all at once, and no CTA could store before its whole row had come back
+// (a per-CTA timeline of v11 at 2048 x 8192: 3.7-4.1 us to the first complete row). Here those
+// CTAs issue one prefetch.global.L2 per line of their own row before the wait; the loads after
+// it find the lines in L2 or on their way. Safe whoever writes x (warm_l2: a hint that returns
+// nothing; later stores update the line in L2). Only the first kV13WarmBytes of rows, and only
+// in calls of at most kV13MaxCallBytes: measured on the H200 (bench harness, the kernel built as
+// an experiment next to v12, two or three runs, % of the copy, v12 -> v13 at 2 / 4 / 8 MiB / a
+// whole wave warmed):
+//   1024 x 4096 (32 MiB moved)             83.8 -> 86.7 / 86.9 / 80.0 / 79.9
+//   4096 x 6144/1024 (112 MiB)             90.2 -> 90.9 / 91.9 / 92.2 / 92.5
+//   2048 x 8192 (128 MiB)                  87.7 -> 88.5 / 88.8 / 88.4 / 85.6
+//   3072 x 4096 (96 MiB), 4 MiB            88.5 -> 89.1
+//   4096 x 8192 (256 MiB), 1 / 4 MiB       92.2 -> 92.2 / 92.0
+//   12288 x 4096 (384 MiB), 1 / 4 MiB      93.0 -> 92.9 / 92.3
+//   8192 x 8192 (512 MiB)                  94.5 -> 94.1 / 93.6 / 93.1 / 92.2
+// More than a few MiB of prefetches compete with the previous kernel's last reads (a whole
+// wave lost everywhere but at 6144/1024's narrow k rows), and the calls past 128 MiB lost even
+// at 4 MiB, most at the largest; why they lose was not measured, so kV13MaxCallBytes sits
+// between the gains and the losses.
+// ------------------------------------------------------------------------------------------
+constexpr int64_t kV13WarmBytes = int64_t{4} << 20;
+constexpr int64_t kV13MaxCallBytes = int64_t{192} << 20;
+static_assert(kV13WarmBytes < kV13MaxCallBytes, "v13 warms a part of a call's rows");
+
+// v13's p.warm_first_ctas: about kV13WarmBytes of rows (the rows' mean width), at most the
+// `resident` CTAs of one wave (those that can be waiting when the previous kernel drains), none
+// in calls that move (read and write) more than kV13MaxCallBytes.
+template <typename T>
+inline int64_t v13_warm_ctas(const Params& p, int64_t resident) {
+  const int64_t mean_row_bytes = (static_cast<int64_t>(p.q_hidden) + p.k_hidden) * sizeof(T) / kNumTensors;
+  const int64_t call_bytes = 2 * p.num_tokens * kNumTensors * mean_row_bytes;
+  if (call_bytes > kV13MaxCallBytes || mean_row_bytes == 0) return 0;
+  const int64_t ctas = kV13WarmBytes / mean_row_bytes;
+  return ctas < resident ? ctas : resident;
+}
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 inline dim3 token_tensor_grid(const Params& p) {
@@ -566,15 +624,19 @@ inline int v3_threads(int widest_vecs, int vecs_per_thread) {
 }
 
 // kBlockThreads (v12): launched at that many threads, which must hold the wider row at
-// kVecsPerThread vectors each (the caller checks).
+// kVecsPerThread vectors each (the caller checks). kWarmOwnRow (v13): v13_warm_ctas sets how many
+// CTAs warm their row before the wait.
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kStreaming, bool kProgrammatic,
-          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, int kBlockThreads = 0>
+          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, int kBlockThreads = 0,
+          bool kWarmOwnRow = false>
 inline void launch_v3_fixed(const Params& params, int widest_vecs, cudaStream_t stream) {
+  static_assert(!kWarmOwnRow || kProgrammatic, "v13 warms while a programmatic launch waits");
   constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, kStreaming, kProgrammatic,
-                                                    kTokenMajor, kWeightsWithRow, kWarmAhead, kBlockThreads>;
+                                                    kTokenMajor, kWeightsWithRow, kWarmAhead, kBlockThreads, kWarmOwnRow>;
   const int threads = kBlockThreads > 0 ? kBlockThreads : v3_threads(widest_vecs, kVecsPerThread);
   Params p = params;
   if constexpr (kWarmAhead) p.rows_ahead = persistent_grid_limit<kernel>(threads);  // v11: a wave of CTAs
+  p.warm_first_ctas = kWarmOwnRow ? v13_warm_ctas<T>(p, persistent_grid_limit<kernel>(threads)) : 0;
   const dim3 grid = kTokenMajor ? dim3(static_cast<unsigned>(p.num_tokens * kNumTensors)) : token_tensor_grid(p);
   launch_kernel(kProgrammatic, kernel, grid, dim3(threads), 0, stream, p);
 }
@@ -594,9 +656,10 @@ inline bool vector_aligned(const Params& p) {
 // kWeightsWithRow (v10): below kV9MinWaves waves, the kernel that loads the weights with the row
 // (at most kV10MaxHeldVecs vectors per thread). kWarmAhead (v11): below kV9MinWaves waves, the
 // kernels that warm the row a wave ahead. kFixedBlock (v12): on the token-major grid, the kernel
-// compiled for kV7Threads threads.
+// compiled for kV7Threads threads. kWarmOwnRow (v13): every kernel here warms the first CTAs'
+// rows before the wait (v13_warm_ctas).
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false,
-          bool kWarmAhead = false, bool kFixedBlock = false>
+          bool kWarmAhead = false, bool kFixedBlock = false, bool kWarmOwnRow = false>
 inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStream_t stream) {
   constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true>;
   constexpr auto token_major_kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true, true>;
@@ -610,24 +673,28 @@ inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStr
     // rows past 4096 elements need more: v3_threads' block, at run time, as in v9). The waves are
     // counted with v9's kernel, as in v11: v12 changes the kernel, not where it runs.
     if (kFixedBlock && widest_vecs <= kV7Threads * kVecsPerThread) {
-      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, true, false, false, kFixedBlock ? kV7Threads : 0>(
-          p, widest_vecs, stream);
+      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, true, false, false, kFixedBlock ? kV7Threads : 0,
+                      kWarmOwnRow>(p, widest_vecs, stream);
     } else {
-      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, true>(p, widest_vecs, stream);
+      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, true, false, false, 0, kWarmOwnRow>(p, widest_vecs,
+                                                                                                    stream);
     }
     return true;
   }
   if (!many_waves) {
     if constexpr (kHeld) {
-      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, false, true, kWarmAhead>(p, widest_vecs, stream);
+      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, false, true, kWarmAhead, 0, kWarmOwnRow>(
+          p, widest_vecs, stream);
       return true;
     }
     if constexpr (kWarmAhead) {
-      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, false, false, true>(p, widest_vecs, stream);
+      launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, false, false, true, 0, kWarmOwnRow>(p, widest_vecs,
+                                                                                                    stream);
       return true;
     }
   }
-  launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true>(p, widest_vecs, stream);
+  launch_v3_fixed<T, kVecsPerThread, kHfRounding, true, true, false, false, false, 0, kWarmOwnRow>(p, widest_vecs,
+                                                                                                 stream);
   return true;
 }
 
@@ -654,7 +721,8 @@ inline void launch_v3_below_a_wave(const Params& p, int widest_vecs, cudaStream_
 // row in kV7Threads threads (at most kV3MaxVecsPerThread). kTokenMajor (v9): those on the
 // (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
-          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, bool kFixedBlock = false>
+          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, bool kFixedBlock = false,
+          bool kWarmOwnRow = false>
 inline void launch_v3(const Params& p, cudaStream_t stream) {
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   if (vector_aligned<T>(p)) {
@@ -663,10 +731,10 @@ inline void launch_v3(const Params& p, cudaStream_t stream) {
       static_assert(kStreaming && kProgrammatic, "v7 builds on v6");
       const int vecs = (widest_vecs + kV7Threads - 1) / kV7Threads;  // per thread, at kV7Threads threads
       const bool fits = widest <= V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden;  // else v2, below
-      constexpr bool kW = kWeightsWithRow, kA = kWarmAhead, kF = kFixedBlock;
-      if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding, kTokenMajor, kW, kA, kF>(p, widest_vecs, stream)) return;
-      if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding, kTokenMajor, kW, kA, kF>(p, widest_vecs, stream)) return;
-      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding, kTokenMajor, kW, kA, kF>(p, widest_vecs, stream)) {
+      constexpr bool kW = kWeightsWithRow, kA = kWarmAhead, kF = kFixedBlock, kO = kWarmOwnRow;
+      if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding, kTokenMajor, kW, kA, kF, kO>(p, widest_vecs, stream)) return;
+      if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding, kTokenMajor, kW, kA, kF, kO>(p, widest_vecs, stream)) return;
+      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding, kTokenMajor, kW, kA, kF, kO>(p, widest_vecs, stream)) {
         return;
       }
     }
@@ -711,14 +779,15 @@ inline size_t v4_shared_bytes(const Params& p) {
 // kFillGpu: v7, v6 with v3's vectors per thread picked for the row count.
 // kTokenMajor: v9, v7's kernels on the (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
-          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, bool kFixedBlock = false>
+          bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, bool kFixedBlock = false,
+          bool kWarmOwnRow = false>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
   constexpr int kWidestForV3 = kStreaming ? V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden : V3Traits<T, 2>::kMaxHidden;
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   const size_t shared_bytes = widest > kWidestForV3 ? v4_shared_bytes<T, kHfRounding, kStreaming, kProgrammatic>(p) : 0;
   if (shared_bytes == 0) {
     return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu, kTokenMajor, kWeightsWithRow, kWarmAhead,
-                     kFixedBlock>(p, stream);
+                     kFixedBlock, kWarmOwnRow>(p, stream);
   }
   constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding, kStreaming, kProgrammatic>;
   launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(kV4Threads), shared_bytes, stream, p);
@@ -728,14 +797,15 @@ inline void launch_v4(const Params& p, cudaStream_t stream) {
 // kV8TokensPerVector tokens per vector of a token (q's and k's) run the warp-per-token kernel at
 // the fewest vectors per lane that hold the wider row; the rest run v7 (kTokenMajor: v9's grid).
 template <typename T, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false,
-          bool kFixedBlock = false>
+          bool kFixedBlock = false, bool kWarmOwnRow = false>
 inline void launch_v8(const Params& p, cudaStream_t stream) {
   const int q_vecs = p.q_hidden / Vec<T>::kElems, k_vecs = p.k_hidden / Vec<T>::kElems;
   const int widest_vecs = q_vecs > k_vecs ? q_vecs : k_vecs;
   const bool warp_per_token = vector_aligned<T>(p) && widest_vecs <= kV8MaxVecs &&
                               p.num_tokens >= kV8TokensPerVector * static_cast<int64_t>(q_vecs + k_vecs);
   if (!warp_per_token) {  // v7's kernels
-    return launch_v4<T, kHfRounding, true, true, true, kTokenMajor, kWeightsWithRow, kWarmAhead, kFixedBlock>(p, stream);
+    return launch_v4<T, kHfRounding, true, true, true, kTokenMajor, kWeightsWithRow, kWarmAhead, kFixedBlock,
+                     kWarmOwnRow>(p, stream);
   }
   const dim3 grid(static_cast<unsigned>((p.num_tokens + kV8Warps - 1) / kV8Warps));
   const int vecs_per_lane = (widest_vecs + kWarpSize - 1) / kWarpSize;
@@ -763,12 +833,14 @@ inline bool token_major_grid_fits(const Params& p) {
 // kWeightsWithRow: v10, v9 with the weights loaded with the row below kV9MinWaves waves.
 // kWarmAhead: v11, v10 with the row a wave ahead warmed below kV9MinWaves waves.
 // kFixedBlock: v12, v11 with the token-major kernel compiled for kV7Threads threads.
-template <typename T, bool kHfRounding, bool kWeightsWithRow = false, bool kWarmAhead = false, bool kFixedBlock = false>
+// kWarmOwnRow: v13, v12 with the first CTAs' rows warmed before the wait, on either grid.
+template <typename T, bool kHfRounding, bool kWeightsWithRow = false, bool kWarmAhead = false, bool kFixedBlock = false,
+          bool kWarmOwnRow = false>
 inline void launch_v9(const Params& p, cudaStream_t stream) {
   if (token_major_grid_fits(p)) {
-    return launch_v8<T, kHfRounding, true, kWeightsWithRow, kWarmAhead, kFixedBlock>(p, stream);
+    return launch_v8<T, kHfRounding, true, kWeightsWithRow, kWarmAhead, kFixedBlock, kWarmOwnRow>(p, stream);
   }
-  launch_v8<T, kHfRounding, false, kWeightsWithRow, kWarmAhead>(p, stream);
+  launch_v8<T, kHfRounding, false, kWeightsWithRow, kWarmAhead, kFixedBlock, kWarmOwnRow>(p, stream);
 }
 
 template <typename T, bool kHfRounding>
@@ -785,7 +857,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 9: return launch_v9<T, kHfRounding>(p, stream);
     case 10: return launch_v9<T, kHfRounding, true>(p, stream);
     case 11: return launch_v9<T, kHfRounding, true, true>(p, stream);
-    default: return launch_v9<T, kHfRounding, true, true, true>(p, stream);  // v12
+    case 12: return launch_v9<T, kHfRounding, true, true, true>(p, stream);
+    default: return launch_v9<T, kHfRounding, true, true, true, true>(p, stream);  // v13
   }
 }
 
@@ -798,7 +871,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 12;
+constexpr int kNumVersions = 13;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

@@ -176,6 +176,67 @@ def test_v12_dispatch(shape, dtype, fused_qkv, fixed):
     check_dispatch(OP, 12, make, picked)
 
 
+# v13 launches every kernel of launch_v7_if_rows_fill_gpu with kWarmOwnRow (its last template
+# argument): calls of a wave of CTAs or more, on either grid, in both dtypes; how many CTAs warm
+# is a launch parameter (none past kV13MaxCallBytes), so 8192 x 8192 (512 MiB) launches the same
+# kernel. Not at one token (below a wave) nor at narrow rows of many tokens (v8's warp per token).
+@pytest.mark.parametrize("shape, dtype, fused_qkv, warm",
+                         [((2048, 8192, 8192), torch.bfloat16, True, True),
+                          ((1025, 4096, 4096), torch.bfloat16, True, True),
+                          ((2048, 8192, 8192), torch.float32, True, True),
+                          ((2048, 8192, 8192), torch.bfloat16, False, True),
+                          ((8192, 8192, 8192), torch.bfloat16, True, True),
+                          ((1, 8192, 8192), torch.bfloat16, True, False),
+                          ((8192, 2048, 256), torch.bfloat16, True, False)],
+                         ids=["2048x8192-fused", "1025x4096-fused", "2048x8192-fp32-fused", "2048x8192-separate",
+                              "8192x8192-fused", "1x8192", "8192x2048x256-fused"])
+def test_v13_dispatch(shape, dtype, fused_qkv, warm):
+    def make(seed, weight_dtype):
+        return contract.make_inputs(*shape, dtype, "cuda", seed=seed, fused_qkv=fused_qkv, kind="zero_rows",
+                                    weight_dtype=weight_dtype)
+
+    def picked(names):  # at most one v3 kernel, warming as expected
+        v3 = [template_args(n) for n in names if "cross_head_norm_v3_kernel" in n]
+        return len(v3) == 1 and v3[0][9] == "true" if warm else all(args[9] == "false" for args in v3)
+
+    check_dispatch(OP, 13, make, picked)
+
+
+# v13's first CTAs prefetch their rows before griddepcontrol.wait, while the kernel before them
+# may still be writing those rows. Two calls chained on the same tensors (the second normalizes
+# the first's output), eagerly and replayed from a CUDA graph, must give v12's bytes exactly (the
+# same arithmetic): a load moved before the wait would read the first call's input instead.
+@pytest.mark.parametrize("shape", [(2048, 4096, 1024), (1025, 4096, 4096)], ids=["many-waves", "two-waves"])
+def test_v13_chained_calls_read_the_previous_calls_output(shape):
+    from cookbook import cuda
+
+    cuda.load(OP)
+    inputs = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=5, fused_qkv=True)
+
+    def twice(x, version):
+        for _ in range(2):
+            cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
+
+    expected = clone_inputs(inputs)
+    twice(expected, 12)
+    eager = clone_inputs(inputs)
+    twice(eager, 13)
+    static = clone_inputs(inputs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        twice(static, 13)
+    torch.cuda.current_stream().wait_stream(stream)
+    for name in ("q", "k"):
+        static[name].copy_(inputs[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    for got in (eager, static):
+        assert torch.equal(got["q"], expected["q"]) and torch.equal(got["k"], expected["k"])
+    assert not torch.equal(expected["q"], inputs["q"])  # the calls wrote
+
+
 @pytest.mark.parametrize("impl", kernel_impls(OP))
 def test_token_stride_beyond_int32(impl):
     """A token stride over 2^31 elements must not overflow the kernels' index arithmetic."""
@@ -260,6 +321,8 @@ for version in [impl.version for impl in registry.implementations("cross_head_no
             x = contract.make_inputs(3, q_hidden, k_hidden, torch.bfloat16, "cuda", seed=version, fused_qkv=fused)
             cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
     x = contract.make_inputs(801, 256, 64, torch.bfloat16, "cuda", seed=version, fused_qkv=True)  # v8's warp per token
+    cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
+    x = contract.make_inputs(1100, 4096, 1024, torch.bfloat16, "cuda", seed=version, fused_qkv=True)  # a wave or more
     cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
 x = contract.make_inputs(3, 130, 64, torch.float16, "cuda", fused_qkv=True)
 cookbook.cross_head_norm(**x, backend="cuda", rounding="hf")

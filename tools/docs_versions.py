@@ -66,7 +66,8 @@ NAMED_KERNELS = {
 # warp-per-token kernels come out of the pattern as one cell, per vectors per lane), v9 the same
 # kernel on its (token, tensor) grid (named), v10 the same with the weights loaded with the row
 # (its four-vector kernel named), v11 that kernel warming the row a wave ahead (named), v12 v9's
-# token-major kernel compiled for 128 threads (named);
+# token-major kernel compiled for 128 threads (named), v13 that kernel warming its row before the
+# wait (named);
 # qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named; v7's walk, v8's warmed
 # one-row kernel; v9's walk, compiled per storage pair, named for the benchmark's: bf16 weights,
 # a float32 cache).
@@ -84,11 +85,12 @@ KERNEL_INSTANCES = {
                 14: "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, true, 2>"},
     "cross_head_norm": {5: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, false>",
                         6: "cross_head_norm_v4_kernel<__nv_bfloat16, false, true, true>",
-                        7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, false, false, false, 0>",
-                        9: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false, 0>",
-                        10: "cross_head_norm_v3_kernel<__nv_bfloat16, 4, false, true, true, false, true, false, 0>",
-                        11: "cross_head_norm_v3_kernel<__nv_bfloat16, 4, false, true, true, false, true, true, 0>",
-                        12: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false, 128>"},
+                        7: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, false, false, false, 0, false>",
+                        9: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false, 0, false>",
+                        10: "cross_head_norm_v3_kernel<__nv_bfloat16, 4, false, true, true, false, true, false, 0, false>",
+                        11: "cross_head_norm_v3_kernel<__nv_bfloat16, 4, false, true, true, false, true, true, 0, false>",
+                        12: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false, 128, false>",
+                        13: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false, 128, true>"},
     "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false, 0>",
                      6: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 0>",
                      7: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 1>",
@@ -307,7 +309,8 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
               "v3's at up to 4 vectors per thread with the weights loaded with the row: 32, 48 and 64 registers at 1, 2 and 4 "
               "vectors per thread, where the rows stay resident at once (or fill one to three waves of v7's CTAs). v11 launches "
               "v10's kernels. v12 launches v9's token-major kernel compiled for 128 threads: at 8192 bf16, 58 registers "
-              "against v9's 59, 8 CTAs per SM either way.)"]
+              "against v9's 59, 8 CTAs per SM either way. v13 launches v12's kernels with its row warmed before the wait: "
+              "the same registers at every vectors per thread.)"]
     return "\n".join(lines)
 
 
