@@ -20,7 +20,7 @@
 // v10: v9 with, at calls of fewer than three waves of CTAs (decode and small batches), each thread's weight vectors loaded with its row (issued just before it), before the block sum, and held in registers until the store - removes the weight loads that v3-v9 issue after the reduction: a memory round trip on the critical path of every CTA, which only calls of many waves hide
 // v11: v10 with, at calls of one to three waves of CTAs, each CTA warming into L2 the row of the CTA a wave after it once its own row's loads are issued - removes the DRAM round trip that every CTA of the later waves waited for before its block sum
 // v12: v11 with, on v9's token-major grid, v3's kernel compiled for its four-warp CTA (the block size a compile-time constant, also where v7 launches fewer threads) - removes the run-time block size from the address and the bound of every vector a thread loads and stores, in the calls that move the most bytes
-// v13: v12 with, at calls of a wave of CTAs or more that move at most 192 MiB, the first CTAs in grid order (4 MiB of rows) warming their own row into L2 before the programmatic wait - removes part of each call's start: the first wave's DRAM round trip, begun while the previous kernel drains
+// v13: v12 with, at calls of a wave of CTAs or more that move at most 192 MiB, the first CTAs in grid order (2 MiB of rows) warming their own row into L2 before the programmatic wait - removes part of each call's start: the first wave's DRAM round trip, begun while the previous kernel drains
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -560,7 +560,7 @@ static_assert(kV10MaxHeldVecs <= kV3MaxVecsPerThread, "v10 holds at most v3's ve
 // 2048 x 8192 87.1 -> 87.5, 8192 x 8192 93.8-93.9 -> 94.5, 4096 x 6144/1024 88.9-89.5 -> 90.2-90.4.
 // docs/cross_head_norm.md has the sweep.
 // ------------------------------------------------------------------------------------------
-// v13: v12 with, at calls of a wave of CTAs or more that move at most 192 MiB, the first CTAs in grid order (4 MiB of rows) warming their own row into L2 before the programmatic wait - removes part of each call's start: the first wave's DRAM round trip, begun while the previous kernel drains
+// v13: v12 with, at calls of a wave of CTAs or more that move at most 192 MiB, the first CTAs in grid order (2 MiB of rows) warming their own row into L2 before the programmatic wait - removes part of each call's start: the first wave's DRAM round trip, begun while the previous kernel drains
 // A programmatic launch's CTAs become resident while the previous kernel's last CTAs run (v6),
 // and until now they sat in griddepcontrol.wait with nothing in flight; the first wave then
 // asked for its rows all at once, and no CTA could store before its whole row had come back
@@ -569,33 +569,45 @@ static_assert(kV10MaxHeldVecs <= kV3MaxVecsPerThread, "v10 holds at most v3's ve
 // it find the lines in L2 or on their way. Safe whoever writes x (warm_l2: a hint that returns
 // nothing; later stores update the line in L2). Only the first kV13WarmBytes of rows, and only
 // in calls of at most kV13MaxCallBytes: measured on the H200 (bench harness, the kernel built as
-// an experiment next to v12, two or three runs, % of the copy, v12 -> v13 at 2 / 4 / 8 MiB / a
-// whole wave warmed):
-//   1024 x 4096 (32 MiB moved)             83.8 -> 86.7 / 86.9 / 80.0 / 79.9
-//   4096 x 6144/1024 (112 MiB)             90.2 -> 90.9 / 91.9 / 92.2 / 92.5
-//   2048 x 8192 (128 MiB)                  87.7 -> 88.5 / 88.8 / 88.4 / 85.6
-//   3072 x 4096 (96 MiB), 4 MiB            88.5 -> 89.1
-//   4096 x 8192 (256 MiB), 1 / 4 MiB       92.2 -> 92.2 / 92.0
-//   12288 x 4096 (384 MiB), 1 / 4 MiB      93.0 -> 92.9 / 92.3
-//   8192 x 8192 (512 MiB)                  94.5 -> 94.1 / 93.6 / 93.1 / 92.2
-// More than a few MiB of prefetches compete with the previous kernel's last reads (a whole
-// wave lost everywhere but at 6144/1024's narrow k rows), and the calls past 128 MiB lost even
-// at 4 MiB, most at the largest; why they lose was not measured, so kV13MaxCallBytes sits
-// between the gains and the losses.
+// an experiment next to v12 with the budget set at run time, two runs, % of the copy, v12 -> v13
+// with 1 / 2 / 4 MiB of rows warmed):
+//   1024 x 5120/1024 (24 MiB moved)        70.3 -> 74.5 / 77.2 / 72.0
+//   1024 x 8192/1024 (36 MiB)              75.1 -> 78.1 / 80.8 / 80.1
+//   1500 x 5120/1024 (35 MiB)              73.6 -> 76.0 / 76.3 / 71.9
+//   1024 x 4096 (32 MiB)                   85.4 -> 85.1 / 87.3 / 87.1
+//   4096 x 6144/1024 (112 MiB)             90.4 -> 90.9 / 91.2 / 92.3
+//   2048 x 8192 (128 MiB)                  87.9 -> 88.6 / 88.7 / 88.9
+//   4096 x 8192 (256 MiB)                  92.2 -> 92.2 / -    / 92.0
+//   12288 x 4096 (384 MiB)                 93.0 -> 92.9 / -    / 92.3
+//   8192 x 8192 (512 MiB)                  94.5 -> 94.2 / 94.1 / 93.6
+// An earlier run warmed 8 MiB and a whole wave: 1024 x 4096 80.0 and 79.9, 2048 x 8192 88.4 and
+// 85.6, 8192 x 8192 93.1 and 92.2. Past a few MiB the prefetches compete with the previous
+// kernel's last reads; 2 MiB is the budget that gained at every call up to 128 MiB. The calls of
+// 256 MiB and more lost at any budget, most at the largest; why was not measured, so
+// kV13MaxCallBytes sits between the gains and the losses.
 // ------------------------------------------------------------------------------------------
-constexpr int64_t kV13WarmBytes = int64_t{4} << 20;
+constexpr int64_t kV13WarmBytes = int64_t{2} << 20;
 constexpr int64_t kV13MaxCallBytes = int64_t{192} << 20;
 static_assert(kV13WarmBytes < kV13MaxCallBytes, "v13 warms a part of a call's rows");
 
-// v13's p.warm_first_ctas: about kV13WarmBytes of rows (the rows' mean width), at most the
-// `resident` CTAs of one wave (those that can be waiting when the previous kernel drains), none
-// in calls that move (read and write) more than kV13MaxCallBytes.
-template <typename T>
+// v13's p.warm_first_ctas: the CTAs, first in grid order, whose rows add up to at most
+// kV13WarmBytes (on the (token, tensor) grid a token's q row then its k row; on the (tokens, 2)
+// grid every q row before the first k row), at most the `resident` CTAs of one wave (those that
+// can be waiting while the previous kernel drains); none in calls that move (read and write)
+// more than kV13MaxCallBytes.
+template <typename T, bool kTokenMajor>
 inline int64_t v13_warm_ctas(const Params& p, int64_t resident) {
-  const int64_t mean_row_bytes = (static_cast<int64_t>(p.q_hidden) + p.k_hidden) * sizeof(T) / kNumTensors;
-  const int64_t call_bytes = 2 * p.num_tokens * kNumTensors * mean_row_bytes;
-  if (call_bytes > kV13MaxCallBytes || mean_row_bytes == 0) return 0;
-  const int64_t ctas = kV13WarmBytes / mean_row_bytes;
+  const int64_t q_row_bytes = static_cast<int64_t>(p.q_hidden) * sizeof(T);
+  const int64_t k_row_bytes = static_cast<int64_t>(p.k_hidden) * sizeof(T);
+  if (2 * p.num_tokens * (q_row_bytes + k_row_bytes) > kV13MaxCallBytes) return 0;
+  int64_t ctas = 0;
+  if constexpr (kTokenMajor) {
+    const int64_t tokens = kV13WarmBytes / (q_row_bytes + k_row_bytes);
+    ctas = kNumTensors * tokens + (kV13WarmBytes - tokens * (q_row_bytes + k_row_bytes) >= q_row_bytes ? 1 : 0);
+  } else {
+    const int64_t q_rows = kV13WarmBytes / q_row_bytes < p.num_tokens ? kV13WarmBytes / q_row_bytes : p.num_tokens;
+    ctas = q_rows + (q_rows == p.num_tokens ? (kV13WarmBytes - q_rows * q_row_bytes) / k_row_bytes : 0);
+  }
   return ctas < resident ? ctas : resident;
 }
 
@@ -636,7 +648,7 @@ inline void launch_v3_fixed(const Params& params, int widest_vecs, cudaStream_t 
   const int threads = kBlockThreads > 0 ? kBlockThreads : v3_threads(widest_vecs, kVecsPerThread);
   Params p = params;
   if constexpr (kWarmAhead) p.rows_ahead = persistent_grid_limit<kernel>(threads);  // v11: a wave of CTAs
-  p.warm_first_ctas = kWarmOwnRow ? v13_warm_ctas<T>(p, persistent_grid_limit<kernel>(threads)) : 0;
+  p.warm_first_ctas = kWarmOwnRow ? v13_warm_ctas<T, kTokenMajor>(p, persistent_grid_limit<kernel>(threads)) : 0;
   const dim3 grid = kTokenMajor ? dim3(static_cast<unsigned>(p.num_tokens * kNumTensors)) : token_tensor_grid(p);
   launch_kernel(kProgrammatic, kernel, grid, dim3(threads), 0, stream, p);
 }

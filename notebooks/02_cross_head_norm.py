@@ -334,13 +334,13 @@ for impl in cuda_versions:
 # * **v13** starts each call's reads before the call may run. A programmatic launch's CTAs become
 #   resident while the previous kernel's last CTAs run, and until now they waited in
 #   `griddepcontrol.wait` with nothing in flight, then the whole first wave asked for its rows at
-#   once. In v13 the first CTAs in grid order (4 MiB of rows) issue one `prefetch.global.L2` per
+#   once. In v13 the first CTAs in grid order (2 MiB of rows) issue one `prefetch.global.L2` per
 #   line of their own row before the wait: a hint that returns nothing, so it cannot read stale
 #   data whoever writes x, but the bytes are on their way while the previous kernel drains. Only
 #   in calls of a wave or more that move at most 192 MiB: on the H200, more than a few MiB of
-#   prefetches competed with the previous call's last reads, and the larger calls lost even at
-#   4 MiB. Side by side with v12: 83.8 -> 86.9 % of the copy at 1024 x 4096, 87.7 -> 88.8 % at
-#   2048 x 8192, 90.2 -> 91.9 % at 4096 x 6144/1024.
+#   prefetches competed with the previous call's last reads, and the larger calls lost at any
+#   budget. Side by side with v12: 70.3 -> 77.2 % of the copy at 1024 x 5120/1024, 85.4 -> 87.3 %
+#   at 1024 x 4096, 87.9 -> 88.7 % at 2048 x 8192, 90.4 -> 91.2 % at 4096 x 6144/1024.
 #
 # ## 7. What the compiler says: registers, and the occupancy they allow
 #
@@ -550,7 +550,7 @@ else:
 # wave's rows takes another 4-7 % off; v12 is v11 except at the fused shapes of three waves or
 # more, where its compile-time block takes 0.3-1.5 % off; v13 is v12 except at the calls of a wave
 # or more up to 192 MiB (1024 x 4096, 2048 x 8192, 4096 x 6144/1024 and 1024 x 5120/1024), where
-# warming the first wave's rows before the wait takes up to 3 % off.
+# warming the first wave's rows before the wait takes 1-9 % off.
 # The summary above the plot says, per shape, which implementation was fastest and how the
 # last version compares with eager PyTorch and `torch.compile`.
 #
