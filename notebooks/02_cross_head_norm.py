@@ -363,21 +363,24 @@ else:
     # thread, fused rounding, streaming x, programmatic launch, (tokens, 2) grid, weights loaded
     # after the block sum, no row warmed ahead> (an instance v6 and v7 launch); v9's instances on
     # the (token, tensor) grid (fifth flag 1) have the same registers and are left out; v10's
-    # instances with the weights loaded with the row (sixth flag 1) and v11's that warm the row a
-    # wave ahead (last flag 1) are listed.
+    # instances with the weights loaded with the row (sixth flag 1), v11's that warm the row a
+    # wave ahead (seventh flag 1) and v13's that warm their own row before the wait (the flag after
+    # the block size) are listed.
     bf16_fused = re.compile(r"cross_head_norm_v(\d+)_kernelI13__nv_bfloat16(?:Li(\d+)E)?Lb0E(?:Lb([01])E)?(?:Lb([01])E)?"
-                            r"(?:Lb([01])E)?(?:Lb([01])E)?(?:Lb([01])E)?")
+                            r"(?:Lb([01])E)?(?:Lb([01])E)?(?:Lb([01])E)?(?:Li\d+E)?(?:Lb([01])E)?")
     found = sorted(((int(m.group(1)), int(m.group(2) or 0), m.group(3) == "1", m.group(4) == "1", m.group(6) == "1",
-                     m.group(7) == "1"), k)
+                     m.group(7) == "1", m.group(8) == "1"), k.registers, k.spill_bytes)
                    for k in nvcc_report.compile_header(OP) if (m := bf16_fused.search(k.mangled)) and m.group(5) != "1")
     print("| kernel | vectors per thread (v8: per lane) | streaming x (v5 on) | programmatic (v6 on) "
-          "| weights with the row (v10) | row a wave ahead warmed (v11) | registers | spill bytes |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (version, vecs, streaming, programmatic, held, ahead), k in found:
+          "| weights with the row (v10) | row a wave ahead warmed (v11) | own row warmed before the wait (v13) "
+          "| registers | spill bytes |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    yes_no = {True: "yes", False: "no"}
+    for (version, vecs, streaming, programmatic, held, ahead, own), registers, spill_bytes in found:
         if version == 8:  # v8's warp-per-token kernel always streams and launches programmatically
             streaming = programmatic = True
-        print(f"| v{version} | {vecs or '-'} | {'yes' if streaming else 'no'} | {'yes' if programmatic else 'no'} "
-              f"| {'yes' if held else 'no'} | {'yes' if ahead else 'no'} | {k.registers} | {k.spill_bytes} |")
+        print(f"| v{version} | {vecs or '-'} | {yes_no[streaming]} | {yes_no[programmatic]} | {yes_no[held]} "
+              f"| {yes_no[ahead]} | {yes_no[own]} | {registers} | {spill_bytes} |")
     print()
     print(docs_versions.occupancy_table(OP))
 
@@ -549,8 +552,8 @@ else:
 # 6-15 % off; v11 is v10 except at 1024 x 4096 and 1024 x 5120/1024, where warming the next
 # wave's rows takes another 4-7 % off; v12 is v11 except at the fused shapes of three waves or
 # more, where its compile-time block takes 0.3-1.5 % off; v13 is v12 except at the calls of a wave
-# or more up to 192 MiB (1024 x 4096, 2048 x 8192, 4096 x 6144/1024 and 1024 x 5120/1024), where
-# warming the first wave's rows before the wait takes 1-9 % off.
+# or more up to 192 MiB (1024 x 4096, 2048 x 8192, 4096 x 6144/1024, 1024 x 5120/1024 and 512 x
+# 32768/4096), where warming the first 2 MiB of rows before the wait takes 0.6-9 % off.
 # The summary above the plot says, per shape, which implementation was fastest and how the
 # last version compares with eager PyTorch and `torch.compile`.
 #
