@@ -288,8 +288,8 @@ __device__ __forceinline__ void store_row_vectors_held(const Row<T>& r, int firs
   }
 }
 
-// For v11: the row of the CTA p.rows_ahead after this one in grid order (a CTA of the next wave)
-// brought into L2, one prefetch per 128-byte line, spread over the block's threads.
+// A row brought into L2, one prefetch per 128-byte line, spread over the block's threads (v11's
+// row a wave ahead, v13's own row before the wait).
 template <typename T>
 __device__ __forceinline__ void warm_row(const Row<T>& r) {
   for (int col = threadIdx.x * kL2LineElems<T>; col < r.hidden; col += blockDim.x * kL2LineElems<T>) warm_l2(r.x + col);
@@ -302,6 +302,7 @@ __device__ __forceinline__ int64_t cta_in_grid_order() {
   return kTokenMajor ? static_cast<int64_t>(blockIdx.x) : static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
 }
 
+// For v11: the row of the CTA p.rows_ahead after this one in grid order (a CTA of the next wave).
 template <typename T, bool kTokenMajor>
 __device__ __forceinline__ void warm_row_ahead(const Params& p) {
   const int64_t ahead = cta_in_grid_order<kTokenMajor>() + p.rows_ahead;
@@ -581,10 +582,11 @@ static_assert(kV10MaxHeldVecs <= kV3MaxVecsPerThread, "v10 holds at most v3's ve
 //   12288 x 4096 (384 MiB)                 93.0 -> 92.9 / -    / 92.3
 //   8192 x 8192 (512 MiB)                  94.5 -> 94.2 / 94.1 / 93.6
 // An earlier run warmed 8 MiB and a whole wave: 1024 x 4096 80.0 and 79.9, 2048 x 8192 88.4 and
-// 85.6, 8192 x 8192 93.1 and 92.2. Past a few MiB the prefetches compete with the previous
-// kernel's last reads; 2 MiB is the budget that gained at every call up to 128 MiB. The calls of
-// 256 MiB and more lost at any budget, most at the largest; why was not measured, so
-// kV13MaxCallBytes sits between the gains and the losses.
+// 85.6, 8192 x 8192 93.1 and 92.2: past a few MiB the prefetches delay the end of the call they
+// overlap (a stamped probe, docs/cross_head_norm.md), and 2 MiB is the budget that gained at
+// every call up to 128 MiB. The calls of 256 MiB and more lost at any budget, most at the
+// largest; why is not known (the stamped probe could not show it), so kV13MaxCallBytes sits
+// between the gains and the losses.
 // ------------------------------------------------------------------------------------------
 constexpr int64_t kV13WarmBytes = int64_t{2} << 20;
 constexpr int64_t kV13MaxCallBytes = int64_t{192} << 20;
