@@ -607,7 +607,8 @@ inline int64_t v13_warm_ctas(const Params& p, int64_t resident) {
     const int64_t tokens = kV13WarmBytes / (q_row_bytes + k_row_bytes);
     ctas = kNumTensors * tokens + (kV13WarmBytes - tokens * (q_row_bytes + k_row_bytes) >= q_row_bytes ? 1 : 0);
   } else {
-    const int64_t q_rows = kV13WarmBytes / q_row_bytes < p.num_tokens ? kV13WarmBytes / q_row_bytes : p.num_tokens;
+    const int64_t q_rows_in_budget = kV13WarmBytes / q_row_bytes;
+    const int64_t q_rows = q_rows_in_budget < p.num_tokens ? q_rows_in_budget : p.num_tokens;
     ctas = q_rows + (q_rows == p.num_tokens ? (kV13WarmBytes - q_rows * q_row_bytes) / k_row_bytes : 0);
   }
   return ctas < resident ? ctas : resident;
@@ -649,8 +650,13 @@ inline void launch_v3_fixed(const Params& params, int widest_vecs, cudaStream_t 
                                                     kTokenMajor, kWeightsWithRow, kWarmAhead, kBlockThreads, kWarmOwnRow>;
   const int threads = kBlockThreads > 0 ? kBlockThreads : v3_threads(widest_vecs, kVecsPerThread);
   Params p = params;
-  if constexpr (kWarmAhead) p.rows_ahead = persistent_grid_limit<kernel>(threads);  // v11: a wave of CTAs
-  p.warm_first_ctas = kWarmOwnRow ? v13_warm_ctas<T, kTokenMajor>(p, persistent_grid_limit<kernel>(threads)) : 0;
+  if constexpr (kWarmAhead || kWarmOwnRow) {
+    const int resident = persistent_grid_limit<kernel>(threads);  // a wave of CTAs
+    if constexpr (kWarmAhead) p.rows_ahead = resident;             // v11
+    p.warm_first_ctas = kWarmOwnRow ? v13_warm_ctas<T, kTokenMajor>(p, resident) : 0;
+  } else {
+    p.warm_first_ctas = 0;
+  }
   const dim3 grid = kTokenMajor ? dim3(static_cast<unsigned>(p.num_tokens * kNumTensors)) : token_tensor_grid(p);
   launch_kernel(kProgrammatic, kernel, grid, dim3(threads), 0, stream, p);
 }

@@ -85,6 +85,20 @@ def template_args(kernel_name: str) -> list[str]:
     return [a.strip() for a in kernel_name.split(">(")[0].split("<", 1)[1].split(",")]
 
 
+def zero_row_inputs(shape, dtype=torch.bfloat16, fused_qkv=True):
+    """check_dispatch's `make`: the contract's inputs at `shape`, zero rows included."""
+    def make(seed, weight_dtype):
+        return contract.make_inputs(*shape, dtype, "cuda", seed=seed, fused_qkv=fused_qkv, kind="zero_rows",
+                                    weight_dtype=weight_dtype)
+
+    return make
+
+
+def v3_kernel_args(names):
+    """The template arguments of each cross_head_norm_v3_kernel among the launched kernels."""
+    return [template_args(n) for n in names if "cross_head_norm_v3_kernel" in n]
+
+
 @pytest.mark.parametrize("shape, fused_qkv, token_major", [((2048, 8192, 8192), True, True),
                                                      ((2048, 8192, 8192), False, False),
                                                      ((1024, 5120, 1024), True, False)])  # 1.9 waves
@@ -125,7 +139,7 @@ def test_v10_dispatch(shape, held, dtype):
                                  weight_dtype=weight_dtype)
         names = launched_kernels(lambda: cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6,
                                                               0.5, rounding, version=10))
-        v3 = [template_args(n) for n in names if "cross_head_norm_v3_kernel" in n]
+        v3 = v3_kernel_args(names)
         assert any(args[6] == "true" for args in v3) == held[dtype], names  # kWeightsWithRow
         x = contract.make_inputs(*shape, dtype, "cuda", seed=3, fused_qkv=True, kind="zero_rows",
                                  weight_dtype=weight_dtype)
@@ -140,15 +154,11 @@ def test_v10_dispatch(shape, held, dtype):
                                           ((1, 8192, 8192), False), ((2048, 8192, 8192), False)],
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_v11_dispatch(shape, ahead):
-    def make(seed, weight_dtype):
-        return contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=seed, fused_qkv=True, kind="zero_rows",
-                                    weight_dtype=weight_dtype)
-
     def picked(names):  # one v3 kernel, its kWarmAhead flag as expected
-        v3 = [template_args(n) for n in names if "cross_head_norm_v3_kernel" in n]
+        v3 = v3_kernel_args(names)
         return len(v3) == 1 and (v3[0][7] == "true") == ahead
 
-    check_dispatch(OP, 11, make, picked)
+    check_dispatch(OP, 11, zero_row_inputs(shape), picked)
 
 
 # v12 launches v9's token-major kernel compiled for kV7Threads (its last template argument, 128)
@@ -165,15 +175,11 @@ def test_v11_dispatch(shape, ahead):
                          ids=["2048x8192-fused", "4096x6144x1024-fused", "2048x4096x1024-fp32-fused",
                               "2048x8192-fp32-fused", "2048x8192-separate", "1023x5120x1024-fused"])
 def test_v12_dispatch(shape, dtype, fused_qkv, fixed):
-    def make(seed, weight_dtype):
-        return contract.make_inputs(*shape, dtype, "cuda", seed=seed, fused_qkv=fused_qkv, kind="zero_rows",
-                                    weight_dtype=weight_dtype)
-
     def picked(names):  # one v3 kernel, its kBlockThreads as expected
-        v3 = [template_args(n) for n in names if "cross_head_norm_v3_kernel" in n]
+        v3 = v3_kernel_args(names)
         return len(v3) == 1 and v3[0][8] == ("128" if fixed else "0")
 
-    check_dispatch(OP, 12, make, picked)
+    check_dispatch(OP, 12, zero_row_inputs(shape, dtype, fused_qkv), picked)
 
 
 # v13 launches every kernel of launch_v7_if_rows_fill_gpu with kWarmOwnRow (its last template
@@ -191,15 +197,11 @@ def test_v12_dispatch(shape, dtype, fused_qkv, fixed):
                          ids=["2048x8192-fused", "1025x4096-fused", "2048x8192-fp32-fused", "2048x8192-separate",
                               "8192x8192-fused", "1x8192", "8192x2048x256-fused"])
 def test_v13_dispatch(shape, dtype, fused_qkv, warm):
-    def make(seed, weight_dtype):
-        return contract.make_inputs(*shape, dtype, "cuda", seed=seed, fused_qkv=fused_qkv, kind="zero_rows",
-                                    weight_dtype=weight_dtype)
+    def picked(names):  # one warming v3 kernel, or none that warms
+        v3 = v3_kernel_args(names)
+        return (len(v3) == 1 and v3[0][9] == "true") if warm else all(args[9] == "false" for args in v3)
 
-    def picked(names):  # at most one v3 kernel, warming as expected
-        v3 = [template_args(n) for n in names if "cross_head_norm_v3_kernel" in n]
-        return len(v3) == 1 and v3[0][9] == "true" if warm else all(args[9] == "false" for args in v3)
-
-    check_dispatch(OP, 13, make, picked)
+    check_dispatch(OP, 13, zero_row_inputs(shape, dtype, fused_qkv), picked)
 
 
 # v13's first CTAs prefetch their rows before griddepcontrol.wait, while the kernel before them
