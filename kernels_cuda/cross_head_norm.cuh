@@ -21,6 +21,7 @@
 // v11: v10 with, at calls of one to three waves of CTAs, each CTA warming into L2 the row of the CTA a wave after it once its own row's loads are issued - removes the DRAM round trip that every CTA of the later waves waited for before its block sum
 // v12: v11 with, on v9's token-major grid, v3's kernel compiled for its four-warp CTA (the block size a compile-time constant, also where v7 launches fewer threads) - removes the run-time block size from the address and the bound of every vector a thread loads and stores, in the calls that move the most bytes
 // v13: v12 with, at calls of a wave of CTAs or more that move at most 192 MiB, the first CTAs in grid order (2 MiB of rows) warming their own row into L2 before the programmatic wait - removes part of each call's start: the first wave's DRAM round trip, begun while the previous kernel drains
+// v14: v13 with, on the (tokens, 2) grid, rows of 4097 to 8192 bf16 elements with q and k within 2x of each other in width launched in v3's CTA (512 threads x 2 vectors at 8192) instead of v7's four warps x 8 vectors, with v13's warm and without v11's warm-ahead - removes half of v7's 128 KiB per SM requested at once, which in calls of one to a few waves arrives, and then is stored, as one burst per wave (1536 x 8192: 75 -> 85 % of the copy)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -615,6 +616,48 @@ inline int64_t v13_warm_ctas(const Params& p, int64_t resident) {
 }
 
 // ------------------------------------------------------------------------------------------
+// v14: v13 with, on the (tokens, 2) grid, rows of 4097 to 8192 bf16 elements with q and k within 2x of each other in width launched in v3's CTA (512 threads x 2 vectors at 8192) instead of v7's four warps x 8 vectors, with v13's warm and without v11's warm-ahead - removes half of v7's 128 KiB per SM requested at once, which in calls of one to a few waves arrives, and then is stored, as one burst per wave (1536 x 8192: 75 -> 85 % of the copy)
+// v7 moved wide rows from v3's CTA (512 threads x 2 vectors at 8192 bf16: four CTAs and 64 KiB
+// of rows in flight per SM) to four warps x 8 vectors (eight CTAs, 128 KiB), measured at 2048 and
+// 8192 tokens on the bench's fused layout, where it gained at 8192. In calls of one to a few
+// waves, and on separate q and k tensors, it loses. Every CTA of a wave asks for its whole row at
+// once and none can store before its row is back (v11's per-CTA timeline at 2048 x 8192: 3.7-4.1
+// us to the first complete row, then 3.5-4.1 us of first-wave stores against 0.8-1.5 later), so
+// a wave's reads and then its writes come as bursts, most likely twice as long at 128 KiB per SM as at
+// 64 KiB. Measured on the H200 (bench harness, `build/` probes, two runs each, % of the copy,
+// v13 -> v3's CTA with v13's warm; fused = q and k views of one qkv tensor, the bench's layout):
+//   768 x 8192 (1.5 waves of v7's CTAs)     fused 72.7 -> 80.5    separate 74.2 -> 83.6
+//   1024 x 8192                             fused 77.5 -> 83.0    separate 76.6 -> 87.8
+//   1536 x 8192                             fused 75.3 -> 85.0    separate 74.7 -> 90.1
+//   1024 x 7168                             fused 75.2 -> 81.3    separate 76.1 -> 86.7
+//   2048 x 8192 (3.9 waves)                 fused: v9's grid      separate 89.4 -> 91.9
+//   3072 x 8192                             fused: v9's grid      separate 92.3 -> 93.5
+//   1024 x 6144/1024 (GQA)                  fused 80.7 -> 73.7    separate 80.6 -> 74.0
+// The GQA row is why q and k must be alike: v3's CTA is sized to the wider row, and at k rows a
+// sixth as wide most of its threads idle in every k CTA (2048 x 6144/1024 separate: 82.8 ->
+// 77.8). kV14MaxWidthRatio bounds the idle share at half. On v9's token-major grid (fused views,
+// three waves or more) v13's kernels stay: there v3's CTA measured 87.2 against 88.1 at 2048 x
+// 8192. 4096 bf16 rows and narrower keep v7's CTA (v6's 512 x 1 CTA measured 70-82 % against
+// v7's 74-92 % at 1024-8192 x 4096). docs/cross_head_norm.md has the sweep.
+// ------------------------------------------------------------------------------------------
+constexpr int kV14VecsPerThread = 2;
+constexpr int kV14MaxWidthRatio = 2;  // the wider row at most twice the narrower
+static_assert(kV14VecsPerThread * kV3MaxThreads == kV3MaxVecsPerThread * kV7Threads,
+              "v14 takes the rows that v7's CTA holds at its most vectors per thread, in v3's largest CTA");
+static_assert(kV14MaxWidthRatio >= 1, "v14: a width ratio, wider over narrower");
+
+// Whether v14 launches v3's CTA instead of v7's: the wider row too wide for kV7Threads threads
+// at half of v3's most vectors per thread (so v7 takes its eight-vector kernel), held in up to
+// kV3MaxThreads threads at kV14VecsPerThread vectors each, and q and k within kV14MaxWidthRatio
+// of each other.
+template <typename T>
+inline bool v14_takes_v3_cta(const Params& p, int widest_vecs) {
+  const int narrowest_vecs = (p.q_hidden < p.k_hidden ? p.q_hidden : p.k_hidden) / Vec<T>::kElems;
+  return widest_vecs > kV7Threads * (kV3MaxVecsPerThread / 2) && widest_vecs <= kV3MaxThreads * kV14VecsPerThread &&
+         widest_vecs <= kV14MaxWidthRatio * narrowest_vecs;
+}
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host). `launch` is what the binding calls.
 // ------------------------------------------------------------------------------------------
 inline dim3 token_tensor_grid(const Params& p) {
@@ -677,9 +720,10 @@ inline bool vector_aligned(const Params& p) {
 // (at most kV10MaxHeldVecs vectors per thread). kWarmAhead (v11): below kV9MinWaves waves, the
 // kernels that warm the row a wave ahead. kFixedBlock (v12): on the token-major grid, the kernel
 // compiled for kV7Threads threads. kWarmOwnRow (v13): every kernel here warms the first CTAs'
-// rows before the wait (v13_warm_ctas).
+// rows before the wait (v13_warm_ctas). kV3BlockForLikeRows (v14): off v9's token-major grid,
+// v3's CTA where v14_takes_v3_cta says so.
 template <typename T, int kVecsPerThread, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false,
-          bool kWarmAhead = false, bool kFixedBlock = false, bool kWarmOwnRow = false>
+          bool kWarmAhead = false, bool kFixedBlock = false, bool kWarmOwnRow = false, bool kV3BlockForLikeRows = false>
 inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStream_t stream) {
   constexpr auto kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true>;
   constexpr auto token_major_kernel = cross_head_norm_v3_kernel<T, kVecsPerThread, kHfRounding, true, true, true>;
@@ -700,6 +744,14 @@ inline bool launch_v7_if_rows_fill_gpu(const Params& p, int widest_vecs, cudaStr
                                                                                                     stream);
     }
     return true;
+  }
+  if constexpr (kV3BlockForLikeRows && kVecsPerThread == kV3MaxVecsPerThread) {
+    static_assert(kWarmOwnRow, "v14 builds on v13");
+    if (v14_takes_v3_cta<T>(p, widest_vecs)) {
+      launch_v3_fixed<T, kV14VecsPerThread, kHfRounding, true, true, false, false, false, 0, true>(p, widest_vecs,
+                                                                                                stream);
+      return true;
+    }
   }
   if (!many_waves) {
     if constexpr (kHeld) {
@@ -742,7 +794,7 @@ inline void launch_v3_below_a_wave(const Params& p, int widest_vecs, cudaStream_
 // (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
           bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, bool kFixedBlock = false,
-          bool kWarmOwnRow = false>
+          bool kWarmOwnRow = false, bool kV3BlockForLikeRows = false>
 inline void launch_v3(const Params& p, cudaStream_t stream) {
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   if (vector_aligned<T>(p)) {
@@ -751,10 +803,10 @@ inline void launch_v3(const Params& p, cudaStream_t stream) {
       static_assert(kStreaming && kProgrammatic, "v7 builds on v6");
       const int vecs = (widest_vecs + kV7Threads - 1) / kV7Threads;  // per thread, at kV7Threads threads
       const bool fits = widest <= V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden;  // else v2, below
-      constexpr bool kW = kWeightsWithRow, kA = kWarmAhead, kF = kFixedBlock, kO = kWarmOwnRow;
+      constexpr bool kW = kWeightsWithRow, kA = kWarmAhead, kF = kFixedBlock, kO = kWarmOwnRow, kL = kV3BlockForLikeRows;
       if (vecs == 2 && launch_v7_if_rows_fill_gpu<T, 2, kHfRounding, kTokenMajor, kW, kA, kF, kO>(p, widest_vecs, stream)) return;
       if (vecs > 2 && vecs <= 4 && launch_v7_if_rows_fill_gpu<T, 4, kHfRounding, kTokenMajor, kW, kA, kF, kO>(p, widest_vecs, stream)) return;
-      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding, kTokenMajor, kW, kA, kF, kO>(p, widest_vecs, stream)) {
+      if (vecs > 4 && fits && launch_v7_if_rows_fill_gpu<T, kV3MaxVecsPerThread, kHfRounding, kTokenMajor, kW, kA, kF, kO, kL>(p, widest_vecs, stream)) {
         return;
       }
     }
@@ -800,14 +852,14 @@ inline size_t v4_shared_bytes(const Params& p) {
 // kTokenMajor: v9, v7's kernels on the (token, tensor) grid where the rows fill the GPU kV9MinWaves times.
 template <typename T, bool kHfRounding, bool kStreaming = false, bool kProgrammatic = false, bool kFillGpu = false,
           bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false, bool kFixedBlock = false,
-          bool kWarmOwnRow = false>
+          bool kWarmOwnRow = false, bool kV3BlockForLikeRows = false>
 inline void launch_v4(const Params& p, cudaStream_t stream) {
   constexpr int kWidestForV3 = kStreaming ? V3Traits<T, kV3MaxVecsPerThread>::kMaxHidden : V3Traits<T, 2>::kMaxHidden;
   const int widest = p.q_hidden > p.k_hidden ? p.q_hidden : p.k_hidden;
   const size_t shared_bytes = widest > kWidestForV3 ? v4_shared_bytes<T, kHfRounding, kStreaming, kProgrammatic>(p) : 0;
   if (shared_bytes == 0) {
     return launch_v3<T, kHfRounding, kStreaming, kProgrammatic, kFillGpu, kTokenMajor, kWeightsWithRow, kWarmAhead,
-                     kFixedBlock, kWarmOwnRow>(p, stream);
+                     kFixedBlock, kWarmOwnRow, kV3BlockForLikeRows>(p, stream);
   }
   constexpr auto kernel = cross_head_norm_v4_kernel<T, kHfRounding, kStreaming, kProgrammatic>;
   launch_kernel(kProgrammatic, kernel, token_tensor_grid(p), dim3(kV4Threads), shared_bytes, stream, p);
@@ -817,7 +869,7 @@ inline void launch_v4(const Params& p, cudaStream_t stream) {
 // kV8TokensPerVector tokens per vector of a token (q's and k's) run the warp-per-token kernel at
 // the fewest vectors per lane that hold the wider row; the rest run v7 (kTokenMajor: v9's grid).
 template <typename T, bool kHfRounding, bool kTokenMajor = false, bool kWeightsWithRow = false, bool kWarmAhead = false,
-          bool kFixedBlock = false, bool kWarmOwnRow = false>
+          bool kFixedBlock = false, bool kWarmOwnRow = false, bool kV3BlockForLikeRows = false>
 inline void launch_v8(const Params& p, cudaStream_t stream) {
   const int q_vecs = p.q_hidden / Vec<T>::kElems, k_vecs = p.k_hidden / Vec<T>::kElems;
   const int widest_vecs = q_vecs > k_vecs ? q_vecs : k_vecs;
@@ -825,7 +877,7 @@ inline void launch_v8(const Params& p, cudaStream_t stream) {
                               p.num_tokens >= kV8TokensPerVector * static_cast<int64_t>(q_vecs + k_vecs);
   if (!warp_per_token) {  // v7's kernels
     return launch_v4<T, kHfRounding, true, true, true, kTokenMajor, kWeightsWithRow, kWarmAhead, kFixedBlock,
-                     kWarmOwnRow>(p, stream);
+                     kWarmOwnRow, kV3BlockForLikeRows>(p, stream);
   }
   const dim3 grid(static_cast<unsigned>((p.num_tokens + kV8Warps - 1) / kV8Warps));
   const int vecs_per_lane = (widest_vecs + kWarpSize - 1) / kWarpSize;
@@ -854,13 +906,13 @@ inline bool token_major_grid_fits(const Params& p) {
 // kWarmAhead: v11, v10 with the row a wave ahead warmed below kV9MinWaves waves.
 // kFixedBlock: v12, v11 with the token-major kernel compiled for kV7Threads threads.
 // kWarmOwnRow: v13, v12 with the first CTAs' rows warmed before the wait, on either grid.
+// kV3BlockForLikeRows: v14, v13 with v3's CTA for wide rows of alike widths on the (tokens, 2) grid.
 template <typename T, bool kHfRounding, bool kWeightsWithRow = false, bool kWarmAhead = false, bool kFixedBlock = false,
-          bool kWarmOwnRow = false>
+          bool kWarmOwnRow = false, bool kV3BlockForLikeRows = false>
 inline void launch_v9(const Params& p, cudaStream_t stream) {
-  if (token_major_grid_fits(p)) {
-    return launch_v8<T, kHfRounding, true, kWeightsWithRow, kWarmAhead, kFixedBlock, kWarmOwnRow>(p, stream);
-  }
-  launch_v8<T, kHfRounding, false, kWeightsWithRow, kWarmAhead, kFixedBlock, kWarmOwnRow>(p, stream);
+  constexpr bool kW = kWeightsWithRow, kA = kWarmAhead, kF = kFixedBlock, kO = kWarmOwnRow, kL = kV3BlockForLikeRows;
+  if (token_major_grid_fits(p)) return launch_v8<T, kHfRounding, true, kW, kA, kF, kO, kL>(p, stream);
+  launch_v8<T, kHfRounding, false, kW, kA, kF, kO, kL>(p, stream);
 }
 
 template <typename T, bool kHfRounding>
@@ -878,7 +930,8 @@ inline void launch_version(const Params& p, int version, cudaStream_t stream) {
     case 10: return launch_v9<T, kHfRounding, true>(p, stream);
     case 11: return launch_v9<T, kHfRounding, true, true>(p, stream);
     case 12: return launch_v9<T, kHfRounding, true, true, true>(p, stream);
-    default: return launch_v9<T, kHfRounding, true, true, true, true>(p, stream);  // v13
+    case 13: return launch_v9<T, kHfRounding, true, true, true, true>(p, stream);
+    default: return launch_v9<T, kHfRounding, true, true, true, true, true>(p, stream);  // v14
   }
 }
 
@@ -891,7 +944,7 @@ inline void launch_rounding(const Params& p, bool hf_rounding, int version, cuda
   }
 }
 
-constexpr int kNumVersions = 13;
+constexpr int kNumVersions = 14;
 
 // Launches version `version` (1..kNumVersions) on `stream`; returns the launch error, if any.
 inline cudaError_t launch(const Params& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {

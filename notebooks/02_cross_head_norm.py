@@ -172,7 +172,7 @@ def meta_inputs(tokens, q_hidden, k_hidden, dtype=torch.bfloat16):
 
 
 def napkin(shape, copy_tb_per_s):
-    moved = contract.bytes_moved(**meta_inputs(*shape))
+    moved = contract.bytes_moved(**meta_inputs(*shape[:3]))  # a fourth element names q and k's layout
     times = ", ".join(f"{gpu} {moved / (tb * 1e12) * 1e6:.2f} us" for gpu, tb in copy_tb_per_s.items())
     return moved, f"(tokens, q_hidden, k_hidden) = {str(shape):<20} {moved / 1e6:9.3f} MB  at copy bandwidth: {times}"
 
@@ -388,7 +388,7 @@ else:
 # Theoretical occupancy is what the resources allow, not what a run achieves: the tail of a
 # grid, a grid smaller than the SMs can hold (one token: two CTAs), and stalls at the barriers
 # of the block reduction all lower the achieved figure, which Nsight Compute reads from the
-# hardware counters. `python -m cookbook.ncu --op cross_head_norm --shape 4` profiles one call of
+# hardware counters. `python -m cookbook.ncu --op cross_head_norm --shape 5` profiles one call of
 # every CUDA C version at 2048 tokens x 8192 and records the page printed here (it needs a GPU
 # and `ncu`, so this cell reads the recorded page rather than profiling):
 
@@ -397,7 +397,7 @@ ncu_pages = sorted((ROOT / "docs" / "results").glob(f"{OP}_*_ncu.md"))
 for page in ncu_pages:
     print(page.read_text())
 if not ncu_pages:
-    print("no Nsight Compute page recorded yet: run `python -m cookbook.ncu --op cross_head_norm --shape 4 "
+    print("no Nsight Compute page recorded yet: run `python -m cookbook.ncu --op cross_head_norm --shape 5 "
           "--results-dir docs/results` on a GPU")
 
 # %% [markdown]

@@ -204,6 +204,35 @@ def test_v13_dispatch(shape, dtype, fused_qkv, warm):
     check_dispatch(OP, 13, zero_row_inputs(shape, dtype, fused_qkv), picked)
 
 
+# v14 launches v3's two-vector kernel warming its row (its second and last template arguments)
+# off v9's token-major grid, at rows of 513 to 1024 vectors (4097-8192 bf16, 2049-4096 float32)
+# with q and k within 2x of each other, in calls of a wave of v7's CTAs or more: fused views below
+# three waves, separate tensors at any count. Not on the token-major grid (2048 x 8192 fused), not
+# past the width ratio (8192/4088 bf16: 1024 against 511 vectors; GQA 6144/1024), not at 4096 bf16
+# (4 vectors per thread in v7's CTA) nor below a wave (one token).
+@pytest.mark.parametrize("shape, dtype, fused_qkv, v3_cta",
+                         [((1536, 8192, 8192), torch.bfloat16, True, True),
+                          ((2048, 8192, 8192), torch.bfloat16, False, True),
+                          ((1536, 8192, 4096), torch.bfloat16, False, True),
+                          ((1024, 7168, 7168), torch.bfloat16, False, True),
+                          ((2048, 4096, 4096), torch.float32, False, True),
+                          ((2048, 8192, 8192), torch.bfloat16, True, False),
+                          ((1536, 8192, 4088), torch.bfloat16, False, False),
+                          ((1024, 6144, 1024), torch.bfloat16, True, False),
+                          ((2048, 4096, 4096), torch.bfloat16, False, False),
+                          ((1, 8192, 8192), torch.bfloat16, False, False)],
+                         ids=["1536x8192-fused", "2048x8192-separate", "1536x8192x4096-separate",
+                              "1024x7168-separate", "2048x4096-fp32-separate", "2048x8192-fused",
+                              "1536x8192x4088-separate", "1024x6144x1024-fused", "2048x4096-separate", "1x8192"])
+def test_v14_dispatch(shape, dtype, fused_qkv, v3_cta):
+    def picked(names):  # one v3 kernel at two vectors per thread warming its row, or no such kernel
+        v14_kernel = lambda args: args[1] == "2" and args[9] == "true"  # noqa: E731
+        v3 = v3_kernel_args(names)
+        return (len(v3) == 1 and v14_kernel(v3[0])) if v3_cta else not any(v14_kernel(args) for args in v3)
+
+    check_dispatch(OP, 14, zero_row_inputs(shape, dtype, fused_qkv), picked)
+
+
 # v13's first CTAs prefetch their rows before griddepcontrol.wait, while the kernel before them
 # may still be writing those rows. Two calls chained on the same tensors (the second normalizes
 # the first's output), eagerly and replayed from a CUDA graph, must give v12's bytes exactly (the
@@ -325,6 +354,8 @@ for version in [impl.version for impl in registry.implementations("cross_head_no
     x = contract.make_inputs(801, 256, 64, torch.bfloat16, "cuda", seed=version, fused_qkv=True)  # v8's warp per token
     cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
     x = contract.make_inputs(1100, 4096, 1024, torch.bfloat16, "cuda", seed=version, fused_qkv=True)  # a wave or more
+    cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
+    x = contract.make_inputs(1100, 7176, 6144, torch.bfloat16, "cuda", seed=version)  # v14's v3 CTA, partly filled
     cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
 x = contract.make_inputs(3, 130, 64, torch.float16, "cuda", fused_qkv=True)
 cookbook.cross_head_norm(**x, backend="cuda", rounding="hf")

@@ -67,7 +67,7 @@ NAMED_KERNELS = {
 # kernel on its (token, tensor) grid (named), v10 the same with the weights loaded with the row
 # (its four-vector kernel named), v11 that kernel warming the row a wave ahead (named), v12 v9's
 # token-major kernel compiled for 128 threads (named), v13 that kernel warming its row before the
-# wait (named);
+# wait (named), v14 v3's two-vector kernel warming its row on the (tokens, 2) grid (named);
 # qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named; v7's walk, v8's warmed
 # one-row kernel; v9's walk, compiled per storage pair, named for the benchmark's: bf16 weights,
 # a float32 cache).
@@ -90,7 +90,8 @@ KERNEL_INSTANCES = {
                         10: "cross_head_norm_v3_kernel<__nv_bfloat16, 4, false, true, true, false, true, false, 0, false>",
                         11: "cross_head_norm_v3_kernel<__nv_bfloat16, 4, false, true, true, false, true, true, 0, false>",
                         12: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false, 128, false>",
-                        13: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false, 128, true>"},
+                        13: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false, 128, true>",
+                        14: "cross_head_norm_v3_kernel<__nv_bfloat16, 2, false, true, true, false, false, false, 0, true>"},
     "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false, 0>",
                      6: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 0>",
                      7: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 1>",
@@ -280,7 +281,7 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
         if (m := name.search(k.mangled)) and m.group(4) != "1":
             key = (int(m.group(1)), int(m.group(2) or 0), m.group(3) == "1")
             resources[key] = (k.registers, shared.get(k.mangled, 0))
-    widths = sorted({max(q_hidden, k_hidden) for _, q_hidden, k_hidden in contract.BENCH_SHAPES})
+    widths = sorted({max(shape[1], shape[2]) for shape in contract.BENCH_SHAPES})  # (tokens, q_hidden, k_hidden, ...)
     lines = ["| wider row (bf16) | version | kernel | threads/CTA | registers | smem/CTA | CTAs/SM (limit) | warps/SM | theoretical occupancy |",
              "|---|---|---|---|---|---|---|---|---|"]
     for widest in widths:
@@ -310,7 +311,9 @@ def occupancy_table(op: str = "cross_head_norm") -> str:
               "vectors per thread, where the rows stay resident at once (or fill one to three waves of v7's CTAs). v11 launches "
               "v10's kernels. v12 launches v9's token-major kernel compiled for 128 threads: at 8192 bf16, 58 registers "
               "against v9's 59, 8 CTAs per SM either way. v13 launches v12's kernels with its row warmed before the wait: "
-              "the same registers at every vectors per thread.)"]
+              "the same registers at every vectors per thread. v14 launches v13's kernels, except on the (tokens, 2) grid at "
+              "rows of 4097 to 8192 bf16 elements with q and k within 2x of each other in width, where the rows fill the GPU: "
+              "there v3's two-vector kernel warming its row (32 registers; 512 threads at 8192, 4 CTAs per SM).)"]
     return "\n".join(lines)
 
 

@@ -275,14 +275,19 @@ def flops(q, k) -> int:
 # Shapes the benchmark sweeps: (tokens, q_hidden, k_hidden). 8192/8192: a 64-head model without
 # GQA (the TARGETS rows); 4096/4096: OLMo2-7B; 6144/1024: MiniMax-M2 at TP=1; 5120/1024: Wan-like;
 # 768/128: MiniMax-M2's shard at TP=8 (the rows tp_qk_norm normalizes per rank); 2048/256: a
-# 2048-wide model with 8:1 GQA (narrow rows, many tokens: v8's case).
+# 2048-wide model with 8:1 GQA (narrow rows, many tokens: v8's case). q and k are views of one fused
+# qkv tensor (an engine's layout), except in entries whose fourth element is SEPARATE: two
+# contiguous tensors, as TARGETS.md writes the 2048 x 8192 row (q and k each [tokens, hidden]).
+SEPARATE = "separate"
 BENCH_SHAPES = [
     (1, 8192, 8192),
     (16, 8192, 8192),
     (256, 8192, 8192),
     (1024, 4096, 4096),
+    (1536, 8192, 8192),
     (2048, 8192, 8192),
     (8192, 8192, 8192),
+    (2048, 8192, 8192, SEPARATE),
     (4096, 6144, 1024),
     (1024, 5120, 1024),
     (512, 32768, 4096),
@@ -293,7 +298,11 @@ SIM_SHAPES = [(2, 64, 32), (3, 96, 64)]
 
 
 def bench_case(shape, dtype, device, seed=0):
-    """(kwargs, label) for one benchmark shape; q and k as views of one fused qkv tensor."""
-    t, q_hidden, k_hidden = shape
-    inputs = make_inputs(t, q_hidden, k_hidden, dtype, device, seed=seed, fused_qkv=True)
-    return inputs, f"T={t} q_hidden={q_hidden} k_hidden={k_hidden}"
+    """(kwargs, label) for one benchmark shape: q and k as views of one fused qkv tensor, or as two
+    contiguous tensors where the shape's fourth element is SEPARATE."""
+    t, q_hidden, k_hidden, *layout = shape
+    separate = layout == [SEPARATE]
+    if layout and not separate:
+        raise ValueError(f"shape: expected (tokens, q_hidden, k_hidden[, {SEPARATE!r}]), got {shape!r}")
+    inputs = make_inputs(t, q_hidden, k_hidden, dtype, device, seed=seed, fused_qkv=not separate)
+    return inputs, f"T={t} q_hidden={q_hidden} k_hidden={k_hidden}" + (f" {SEPARATE}" if separate else "")
