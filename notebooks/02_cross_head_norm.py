@@ -341,6 +341,18 @@ for impl in cuda_versions:
 #   prefetches competed with the previous call's last reads, and the larger calls lost at any
 #   budget. Side by side with v12: 70.3 -> 77.2 % of the copy at 1024 x 5120/1024, 85.4 -> 87.3 %
 #   at 1024 x 4096, 87.9 -> 88.7 % at 2048 x 8192, 90.4 -> 91.2 % at 4096 x 6144/1024.
+# * **v14** gives part of v7 back. v7's four-warp CTAs of eight vectors per thread keep 128 KiB of
+#   rows in flight per SM, twice v3's 512-thread CTAs of two vectors, and that won at many waves on
+#   the fused layout. In calls of one to a few waves it loses: every CTA of a wave asks for its
+#   whole row at once and can store nothing before it is back, so a wave's reads and then its
+#   writes come in bursts, twice as long at 128 KiB per SM. v14 launches v3's CTA again (with
+#   v13's warm, without v11's warm-ahead) on the (tokens, 2) grid for rows of 4097 to 8192 bf16
+#   elements with q and k within 2x of each other in width: at a k row a sixth of q's, most of a
+#   k CTA's threads would idle (GQA 6144/1024 lost 7-12 points that way), so GQA keeps v13's
+#   kernels, as does v9's token-major grid. On the H200, side by side with v13 (two runs each, %
+#   of the copy): 1536 x 8192 74.5 -> 84.8 fused and 75.0 -> 90.4 on separate q and k tensors,
+#   1024 x 8192 77 -> 83 and 76 -> 88, 2048 x 8192 on separate tensors 89.2 -> 91.8; unchanged at
+#   8192 x 8192, 1024 x 4096 and the GQA shapes.
 #
 # ## 7. What the compiler says: registers, and the occupancy they allow
 #
@@ -553,7 +565,9 @@ else:
 # wave's rows takes another 4-7 % off; v12 is v11 except at the fused shapes of three waves or
 # more, where its compile-time block takes 0.3-1.5 % off; v13 is v12 except at the calls of a wave
 # or more up to 192 MiB (1024 x 4096, 2048 x 8192, 4096 x 6144/1024, 1024 x 5120/1024 and 512 x
-# 32768/4096), where warming the first 2 MiB of rows before the wait takes 0.6-9 % off.
+# 32768/4096), where warming the first 2 MiB of rows before the wait takes 0.6-9 % off; v14 is
+# v13 except at 1536 x 8192 and at 2048 x 8192 on separate tensors, where v3's 512-thread CTA
+# takes 3-12 % off.
 # The summary above the plot says, per shape, which implementation was fastest and how the
 # last version compares with eager PyTorch and `torch.compile`.
 #
