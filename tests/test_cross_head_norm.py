@@ -332,6 +332,20 @@ def test_bad_backend_name():
     assert_rejected_untouched(cookbook.cross_head_norm, _good(), ValueError, "backend: expected one of", backend="triton")
 
 
+def test_bench_layouts():
+    """A bench shape's q and k are views of one fused qkv tensor, or two contiguous tensors where
+    the shape's fourth element is SEPARATE; any other fourth element is an error naming the shape."""
+    fused, label = contract.bench_case((3, 64, 32), torch.float32, "cpu")
+    assert fused["q"].untyped_storage().data_ptr() == fused["k"].untyped_storage().data_ptr()
+    assert label == "T=3 q_hidden=64 k_hidden=32"
+    separate, label = contract.bench_case((3, 64, 32, contract.SEPARATE), torch.float32, "cpu")
+    assert separate["q"].is_contiguous() and separate["k"].is_contiguous()
+    assert separate["q"].untyped_storage().data_ptr() != separate["k"].untyped_storage().data_ptr()
+    assert label == f"T=3 q_hidden=64 k_hidden=32 {contract.SEPARATE}"
+    with pytest.raises(ValueError, match=r"shape: expected \(tokens, q_hidden, k_hidden\[, 'separate'\]\), got \(3, 64, 32, 'fused'\)"):
+        contract.bench_case((3, 64, 32, "fused"), torch.float32, "cpu")
+
+
 @pytest.mark.skipif(ON_GPU, reason="checks the CPU-tensor error of the CUDA backend")
 def test_cpu_tensors_with_cuda_backend():
     fragment = "backend='cuda': expected CUDA tensors, got tensors on cpu"
