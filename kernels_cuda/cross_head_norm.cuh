@@ -623,8 +623,8 @@ inline int64_t v13_warm_ctas(const Params& p, int64_t resident) {
 // waves, and on separate q and k tensors, it loses. Every CTA of a wave asks for its whole row at
 // once and none can store before its row is back (v11's per-CTA timeline at 2048 x 8192: 3.7-4.1
 // us to the first complete row, then 3.5-4.1 us of first-wave stores against 0.8-1.5 later), so
-// a wave's reads and then its writes come as bursts, most likely twice as long at 128 KiB per SM as at
-// 64 KiB. Measured on the H200 (bench harness, `build/` probes, two runs each, % of the copy,
+// a wave's reads and then its writes come as bursts, most likely twice as long at 128 KiB per SM
+// as at 64 KiB. Measured on the H200 (bench harness, `build/` probes, two runs each, % of the copy,
 // v13 -> v3's CTA with v13's warm; fused = q and k views of one qkv tensor, the bench's layout):
 //   768 x 8192 (1.5 waves of v7's CTAs)     fused 72.7 -> 80.5    separate 74.2 -> 83.6
 //   1024 x 8192                             fused 77.5 -> 83.0    separate 76.6 -> 87.8

@@ -348,7 +348,7 @@ for impl in cuda_versions:
 #   writes come in bursts, twice as long at 128 KiB per SM. v14 launches v3's CTA again (with
 #   v13's warm, without v11's warm-ahead) on the (tokens, 2) grid for rows of 4097 to 8192 bf16
 #   elements with q and k within 2x of each other in width: at a k row a sixth of q's, most of a
-#   k CTA's threads would idle (GQA 6144/1024 lost 7-12 points that way), so GQA keeps v13's
+#   k CTA's threads would idle (GQA 6144/1024 lost 5-7 points that way), so GQA keeps v13's
 #   kernels, as does v9's token-major grid. On the H200, side by side with v13 (two runs each, %
 #   of the copy): 1536 x 8192 74.5 -> 84.8 fused and 75.0 -> 90.4 on separate q and k tensors,
 #   1024 x 8192 77 -> 83 and 76 -> 88, 2048 x 8192 on separate tensors 89.2 -> 91.8; unchanged at
