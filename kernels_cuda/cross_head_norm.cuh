@@ -21,7 +21,7 @@
 // v11: v10 with, at calls of one to three waves of CTAs, each CTA warming into L2 the row of the CTA a wave after it once its own row's loads are issued - removes the DRAM round trip that every CTA of the later waves waited for before its block sum
 // v12: v11 with, on v9's token-major grid, v3's kernel compiled for its four-warp CTA (the block size a compile-time constant, also where v7 launches fewer threads) - removes the run-time block size from the address and the bound of every vector a thread loads and stores, in the calls that move the most bytes
 // v13: v12 with, at calls of a wave of CTAs or more that move at most 192 MiB, the first CTAs in grid order (2 MiB of rows) warming their own row into L2 before the programmatic wait - removes part of each call's start: the first wave's DRAM round trip, begun while the previous kernel drains
-// v14: v13 with, on the (tokens, 2) grid, rows of 4097 to 8192 bf16 elements with q and k within 2x of each other in width launched in v3's CTA (512 threads x 2 vectors at 8192) instead of v7's four warps x 8 vectors, with v13's warm and without v11's warm-ahead - removes half of v7's 128 KiB per SM requested at once, which in calls of one to a few waves arrives, and then is stored, as one burst per wave (1536 x 8192: 75 -> 85 % of the copy)
+// v14: v13 with, on the (tokens, 2) grid, rows of 4097 to 8192 bf16 elements with q and k within 2x of each other in width launched in v3's CTA (512 threads x 2 vectors at 8192) instead of v7's four warps x 8 vectors, with v13's warm and without v11's warm-ahead - removes half of v7's 128 KiB per SM requested at once, which in calls of one to a few waves arrives, and then is stored, as one burst per wave (1536 x 8192: 74 -> 85 % of the copy)
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/cross_head_norm.cu is the torch glue.
 #pragma once
@@ -616,7 +616,7 @@ inline int64_t v13_warm_ctas(const Params& p, int64_t resident) {
 }
 
 // ------------------------------------------------------------------------------------------
-// v14: v13 with, on the (tokens, 2) grid, rows of 4097 to 8192 bf16 elements with q and k within 2x of each other in width launched in v3's CTA (512 threads x 2 vectors at 8192) instead of v7's four warps x 8 vectors, with v13's warm and without v11's warm-ahead - removes half of v7's 128 KiB per SM requested at once, which in calls of one to a few waves arrives, and then is stored, as one burst per wave (1536 x 8192: 75 -> 85 % of the copy)
+// v14: v13 with, on the (tokens, 2) grid, rows of 4097 to 8192 bf16 elements with q and k within 2x of each other in width launched in v3's CTA (512 threads x 2 vectors at 8192) instead of v7's four warps x 8 vectors, with v13's warm and without v11's warm-ahead - removes half of v7's 128 KiB per SM requested at once, which in calls of one to a few waves arrives, and then is stored, as one burst per wave (1536 x 8192: 74 -> 85 % of the copy)
 // v7 moved wide rows from v3's CTA (512 threads x 2 vectors at 8192 bf16: four CTAs and 64 KiB
 // of rows in flight per SM) to four warps x 8 vectors (eight CTAs, 128 KiB), measured at 2048 and
 // 8192 tokens on the bench's fused layout, where it gained at 8192. In calls of one to a few
