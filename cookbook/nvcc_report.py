@@ -29,6 +29,19 @@ _ENTRY = re.compile(r"Compiling entry function '(\w+)' for")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 
+# The compiles run on a worker thread during the test session (tests/nvcc_jobs.py) while the
+# main thread may set and unset environment variables (monkeypatch, the gloo pool). A child
+# started with the inherited environment is exec'd with the C `environ` that putenv may be
+# rewriting at that moment: exec then fails with EFAULT ("Bad address"), which failed a CI run.
+# So every tool here is started with a copy of the environment taken when this module is
+# imported, which no other thread can change.
+_ENVIRONMENT = dict(os.environ)
+
+
+def _run_tool(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run with this module's copy of the environment (see _ENVIRONMENT)."""
+    return subprocess.run(cmd, env=_ENVIRONMENT, capture_output=True, text=True, **kwargs)
+
 
 @dataclass(frozen=True)
 class KernelResources:
@@ -48,7 +61,7 @@ def _demangle(names: list[str]) -> list[str]:
     filt = shutil.which("cu++filt") or shutil.which("cu++filt", path=beside_nvcc) or shutil.which("c++filt")
     if not filt:
         return names
-    out = subprocess.run([filt], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+    out = _run_tool([filt], input="\n".join(names), check=True).stdout
     return out.strip().splitlines()
 
 
@@ -88,7 +101,7 @@ def compile_header(op: str, arch: str = DEFAULT_ARCH) -> list[KernelResources]:
         unit.write_text(unit_text)
         cmd = [compiler, *NVCC_FLAGS, f"-arch={arch}", f"-I{KERNEL_DIR}", "-Xptxas", "-v", "-c", str(unit),
                "-o", str(Path(tmp) / "unit.o")]
-        run = subprocess.run(cmd, capture_output=True, text=True)
+        run = _run_tool(cmd)
     if run.returncode != 0:
         raise RuntimeError(f"nvcc failed on {op}.cuh:\n{run.stderr}")
     try:  # another process may write the same report: write aside, then rename into place
@@ -129,7 +142,7 @@ def compile_binding(op: str, arch: str = DEFAULT_ARCH) -> None:
         includes = [KERNEL_DIR, *torch_includes(Path(tmp)), sysconfig.get_paths()["include"]]
         cmd = [compiler, *NVCC_FLAGS, f"-arch={arch}", *(f"-I{p}" for p in includes), "-c",
                str(KERNEL_DIR / "bindings" / f"{op}.cu"), "-o", str(Path(tmp) / "binding.o")]
-        run = subprocess.run(cmd, capture_output=True, text=True)
+        run = _run_tool(cmd)
     if run.returncode != 0:
         raise RuntimeError(f"nvcc failed on bindings/{op}.cu:\n{run.stderr[-4000:]}")
 

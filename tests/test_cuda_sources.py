@@ -108,3 +108,43 @@ def test_background_nvcc_jobs_give_their_result_or_raise():
     with pytest.raises(RuntimeError, match="nvcc failed on bad.cuh"):
         nvcc_jobs.result(fake_compile, "bad")
     assert nvcc_jobs.result(fake_compile, "c") == ["c"]  # never started: made by the caller
+
+
+def test_tools_start_while_another_thread_changes_the_environment():
+    """The compiles run on a worker thread while tests set and unset environment variables. A
+    child that inherits the live C environment can be exec'd while putenv rewrites it and fail
+    with EFAULT (it did in CI); `_run_tool` hands the child a copy taken at import instead.
+    Without that copy this loop fails within a second on a 2-core machine (about half the starts)."""
+    import os
+    import shutil
+    import threading
+    import time
+
+    true = shutil.which("true")
+    if true is None:
+        pytest.skip("no `true` program on PATH")
+    errors, starts, done = [], [0], threading.Event()
+
+    def start_tools():
+        while not done.is_set():
+            try:
+                nvcc_report._run_tool([true], check=True)
+            except Exception as error:  # noqa: BLE001 (any failure to start is the bug)
+                errors.append(repr(error))
+            starts[0] += 1
+
+    names = [f"COOKBOOK_ENV_RACE_{i}" for i in range(16)]
+    worker = threading.Thread(target=start_tools)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            os.environ.update({name: "x" * 64 for name in names})
+            for name in names:
+                os.environ.pop(name)
+    finally:
+        done.set()
+        worker.join()
+        for name in names:
+            os.environ.pop(name, None)
+    assert starts[0] > 0 and not errors, f"{len(errors)} of {starts[0]} starts failed: {errors[:3]}"
