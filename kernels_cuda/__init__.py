@@ -1,0 +1,79 @@
+"""The CUDA C sources, and the translation units a build makes of them (no torch, no GPU).
+
+A kernel file of an op in the ladder layout (``<op>/v3_vectors_in_registers.cuh``,
+``<op>/tuned.cuh``) defines, in its namespace (``cookbook::<op>::v3``, ``cookbook::<op>::tuned``),
+one launcher per dtype and rounding: ``template <DType, Rounding> cudaError_t launch(const Params&,
+cudaStream_t)``. It is built as its own extension from small translation units:
+
+* ``binding.cpp`` (host compiler): the op's torch glue, ``<op>/binding.h``, registering the op
+  ``cookbook::<op>_<stem>`` (``qk_norm_v3``, ``qk_norm_tuned``);
+* one ``<dtype>_<rounding>.cu`` (nvcc) per dtype and rounding, each instantiating one launcher,
+  so the kernels of one extension compile in parallel.
+
+`cookbook.cuda` builds them with torch; `cookbook.nvcc_report` compiles the same units with nvcc
+alone (CI has no GPU).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent
+
+DTYPES = ("kFloat32", "kFloat16", "kBFloat16")  # cookbook::DType, in its order
+ROUNDINGS = ("kFused", "kHf")  # cookbook::Rounding, in its order
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One kernel file of an op, built as its own torch extension."""
+
+    op: str  # "qk_norm"
+    kernel: str  # its header, relative to kernels_cuda/: "qk_norm/v3_vectors_in_registers.cuh"
+
+    @property
+    def stem(self) -> str:
+        """"v3" for ``v3_vectors_in_registers.cuh``, "tuned" for ``tuned.cuh``."""
+        return Path(self.kernel).stem.split("_")[0]
+
+    @property
+    def name(self) -> str:
+        """The extension's torch op (``torch.ops.cookbook.<name>``) and library name."""
+        return f"{self.op}_{self.stem}"
+
+    @property
+    def namespace(self) -> str:
+        return f"cookbook::{self.op}::{self.stem}"
+
+    def kernel_units(self) -> dict[str, str]:
+        """{file name: source} of the nvcc units: one launcher each."""
+        units = {}
+        for dtype in DTYPES:
+            for rounding in ROUNDINGS:
+                name = f"{dtype[1:].lower()}_{rounding[1:].lower()}.cu"
+                units[name] = (
+                    f'#include "{self.kernel}"\n'
+                    f"template cudaError_t {self.namespace}::launch<cookbook::DType::{dtype}, cookbook::Rounding::{rounding}>(\n"
+                    f"    const cookbook::{self.op}::Params&, cudaStream_t);\n"
+                )
+        return units
+
+    def binding_unit(self) -> str:
+        """The source of the host unit: the op's glue, registering ``cookbook::<name>``."""
+        return f'#include "{self.op}/binding.h"\nCOOKBOOK_{self.op.upper()}_EXTENSION({self.name}, {self.namespace})\n'
+
+    def dependencies(self) -> list[Path]:
+        """Every source file the extension's units include, directly or not (its build key)."""
+        roots = [self.kernel, f"{self.op}/binding.h"]
+        seen: dict[str, Path] = {}
+        while roots:
+            relative = roots.pop()
+            path = KERNEL_DIR / relative
+            if relative in seen or not path.is_file():
+                continue  # a system or CUDA header
+            seen[relative] = path
+            roots += _INCLUDE.findall(path.read_text())
+        return [seen[key] for key in sorted(seen)]

@@ -10,14 +10,26 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "include/dtype.h"
+
 namespace cookbook {
 
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kVecBytes = 16;  // widest plain load/store per thread (LDG.128 / STG.128)
 
-// Activation dtypes, as the bindings name them (torch-free).
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// The storage type of each activation dtype: Storage<DType::kBFloat16> is __nv_bfloat16.
+template <DType kDType>
+struct StorageOf;
+template <>
+struct StorageOf<DType::kFloat32> { using type = float; };
+template <>
+struct StorageOf<DType::kFloat16> { using type = __half; };
+template <>
+struct StorageOf<DType::kBFloat16> { using type = __nv_bfloat16; };
+template <DType kDType>
+using Storage = typename StorageOf<kDType>::type;
 
 // ---- conversions: float32 is the arithmetic type, T the storage type ------------------------
 template <typename T>

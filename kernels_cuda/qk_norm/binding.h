@@ -1,0 +1,111 @@
+// The torch glue of every qk_norm extension (each rung, and the tuned kernel): the cheap checks a
+// direct torch.ops caller gets (the Python contract has run the full ones), Params from the
+// tensors, and the launcher of the call's dtype and rounding. Host C++ only: a binding compiles
+// with the host compiler, while the kernels' translation units compile with nvcc, one per dtype
+// and rounding, in parallel.
+//
+// An extension's binding unit is two lines (cookbook/cuda.py writes it):
+//   #include "qk_norm/binding.h"
+//   COOKBOOK_QK_NORM_EXTENSION(qk_norm_v3, cookbook::qk_norm::v3)
+// which registers the op cookbook::qk_norm_v3(q, k, q_weight, k_weight, eps, weight_offset,
+// hf_rounding) -> () and runs the kernels of namespace cookbook::qk_norm::v3.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include "qk_norm/params.h"
+
+namespace cookbook::qk_norm {
+
+// The op's schema after its name: q and k are written in place.
+constexpr const char* kSchema =
+    "(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, float eps, float weight_offset, "
+    "bool hf_rounding) -> ()";
+
+constexpr int kNumDTypes = 3;
+constexpr int kNumRoundings = 2;
+using Launchers = Launcher[kNumDTypes][kNumRoundings];  // [DType][Rounding]
+
+inline DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: TORCH_CHECK(false, "q: expected float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+  return DType::kFloat32;
+}
+
+inline void check_rows(const char* name, const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda(), name, ": expected a CUDA tensor, got one on ", x.device());
+  TORCH_CHECK(x.dim() == 3, name, ": expected [tokens, heads, head_dim], got shape ", x.sizes());
+  TORCH_CHECK(x.size(2) <= 1 || x.stride(2) == 1, name, ": expected a contiguous last dim, got stride ", x.strides());
+}
+
+inline void check_weight(const char* name, const at::Tensor& w, const at::Tensor& x) {
+  TORCH_CHECK(w.device() == x.device(), name, ": expected device ", x.device(), ", got ", w.device());
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(2) && (x.size(2) <= 1 || w.stride(0) == 1), name,
+              ": expected a contiguous [head_dim=", x.size(2), "], got shape ", w.sizes(), " stride ", w.strides());
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() || w.scalar_type() == at::kFloat, name, ": expected ",
+              x.scalar_type(), " or float32, got ", w.scalar_type());
+}
+
+// The op: checks, Params, and the launcher of the call's dtype and rounding.
+template <const Launchers& kLaunchers>
+void run(at::Tensor q, at::Tensor k, const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
+         double weight_offset, bool hf_rounding) {
+  check_rows("q", q);
+  check_rows("k", k);
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && k.device() == q.device(), "k: expected the dtype and device of q");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2), "k: expected [", q.size(0), ", num_kv_heads, ",
+              q.size(2), "], got ", k.sizes());
+  check_weight("q_weight", q_weight, q);
+  check_weight("k_weight", k_weight, k);
+  TORCH_CHECK(q_weight.scalar_type() == k_weight.scalar_type(), "k_weight: expected the dtype of q_weight");
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  Params p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.q_weight = q_weight.data_ptr();
+  p.k_weight = k_weight.data_ptr();
+  p.dtype = dtype_of(q);
+  p.rounding = hf_rounding ? Rounding::kHf : Rounding::kFused;
+  p.weight_is_fp32 = q_weight.scalar_type() == at::kFloat;
+  p.num_tokens = q.size(0);
+  p.num_q_heads = static_cast<int>(q.size(1));
+  p.num_kv_heads = static_cast<int>(k.size(1));
+  p.head_dim = static_cast<int>(q.size(2));
+  p.q_token_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
+  p.k_token_stride = k.stride(0);
+  p.k_head_stride = k.stride(1);
+  p.eps = static_cast<float>(eps);
+  p.weight_offset = static_cast<float>(weight_offset);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device());
+  const cudaError_t error = kLaunchers[static_cast<int>(p.dtype)][static_cast<int>(p.rounding)](p, stream);
+  TORCH_CHECK(error == cudaSuccess, "qk_norm: kernel launch failed: ", cudaGetErrorString(error));
+}
+
+}  // namespace cookbook::qk_norm
+
+// Declares the launchers of namespace NS (each defined in its own nvcc translation unit), and
+// registers cookbook::NAME running them.
+#define COOKBOOK_QK_NORM_EXTENSION(NAME, NS)                                                                     \
+  namespace NS {                                                                                                 \
+  template <::cookbook::DType kDType, ::cookbook::Rounding kRounding>                                            \
+  cudaError_t launch(const ::cookbook::qk_norm::Params& p, cudaStream_t stream);                                \
+  constexpr ::cookbook::qk_norm::Launchers kLaunchers = {                                                        \
+      {&launch<::cookbook::DType::kFloat32, ::cookbook::Rounding::kFused>,                                       \
+       &launch<::cookbook::DType::kFloat32, ::cookbook::Rounding::kHf>},                                         \
+      {&launch<::cookbook::DType::kFloat16, ::cookbook::Rounding::kFused>,                                       \
+       &launch<::cookbook::DType::kFloat16, ::cookbook::Rounding::kHf>},                                         \
+      {&launch<::cookbook::DType::kBFloat16, ::cookbook::Rounding::kFused>,                                      \
+       &launch<::cookbook::DType::kBFloat16, ::cookbook::Rounding::kHf>}};                                       \
+  }                                                                                                              \
+  TORCH_LIBRARY_FRAGMENT(cookbook, m) { m.def((std::string(#NAME) + ::cookbook::qk_norm::kSchema).c_str()); }     \
+  TORCH_LIBRARY_IMPL(cookbook, CUDA, m) { m.impl(#NAME, &::cookbook::qk_norm::run<NS::kLaunchers>); }
