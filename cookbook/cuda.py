@@ -1,36 +1,55 @@
-"""Lazy, cached loader of the CUDA C kernels in `kernels_cuda/`, and their Python entry points.
+"""Builds and loads the CUDA C kernels in `kernels_cuda/`, lazily, in parallel, cached.
 
-Nothing is built at import. The first call of an op builds `kernels_cuda/bindings/<op>.cu` with
-`torch.utils.cpp_extension.load` for the GPU in use (its compute capability, C++20, light torch
-headers, no pybind11: the library registers `torch.ops.cookbook.<op>` itself). Builds are cached
-per configuration: the directory name holds the op, a hash of every kernel source, the torch and
-CUDA versions and the GPU architecture, so an edit or another GPU builds anew and nothing stale
-is loaded. A build lock left behind by a killed build would make every later build wait forever
-(torch's FileBaton); a lock older than `STALE_LOCK_SECONDS` is removed with a warning.
+Nothing is built at import. An op in the ladder layout (qk_norm) builds one extension per kernel
+file (`kernels_cuda.Extension`): each rung, and the tuned kernel, is its own small library,
+registering `torch.ops.cookbook.<op>_<stem>`, built from a host binding unit and one nvcc unit per
+dtype and rounding, which ninja compiles in parallel. The first `backend="auto"` call builds only
+the tuned kernel; the benchmark builds every extension it needs at once (`build`), in parallel.
+
+The other ops still build one extension from `kernels_cuda/bindings/<op>.cu` (`load(op)`).
+
+Builds are cached per configuration: the directory name holds the extension, a hash of every
+source it includes, the flags, the torch and CUDA versions and the GPU architecture, so an edit or
+another GPU builds anew and nothing stale is loaded. A build holds an OS file lock on its
+directory; the OS releases it when the process ends, however it ends, so a killed build never
+makes a later one wait: the next builder takes the lock at once and clears what the killed one
+left (torch's own lock file among it).
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
+import threading
 import time
-import warnings
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-import kernels_cuda
+from kernels_cuda import KERNEL_DIR, Extension
 
-KERNEL_DIR = Path(kernels_cuda.__file__).resolve().parent
-STALE_LOCK_SECONDS = 600
 CUDA_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
 CXX_FLAGS = ["-O3", "-std=c++20"]
+TORCH_BATON = "lock"  # the lock file torch's own build leaves in a build directory while it runs
 
 
-def sources() -> list[Path]:
-    """Every file a build depends on (all of kernels_cuda/)."""
-    return sorted(p for p in KERNEL_DIR.rglob("*") if p.suffix in (".cuh", ".cu", ".h"))
+@dataclass(frozen=True)
+class BuildRecord:
+    """How an extension came to be loaded in this process."""
+
+    name: str
+    seconds: float  # wall time of the build (or of loading it from the cache)
+    cached: bool  # loaded from an earlier build
+
+
+BUILDS: dict[str, BuildRecord] = {}  # extension name -> record, in load order (the bench reports it)
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
 
 
 @functools.cache
@@ -50,41 +69,85 @@ def _arch() -> str:
     return f"{major}.{minor}"
 
 
-def build_dir(op: str) -> Path:
-    digest = hashlib.sha256()
-    for path in sources():
-        digest.update(path.relative_to(KERNEL_DIR).as_posix().encode())
-        digest.update(path.read_bytes())
-    digest.update(" ".join(CUDA_FLAGS + CXX_FLAGS).encode())
-    tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-sm{_arch().replace('.', '')}"
+def _build_root() -> Path:
     root = Path(os.environ.get("COOKBOOK_BUILD_DIR", Path.home() / ".cache" / "fused-norm-cookbook"))
-    return root / tag / f"{op}-{digest.hexdigest()[:12]}"
+    return root / f"torch{torch.__version__}-cuda{torch.version.cuda}-sm{_arch().replace('.', '')}"
 
 
-def _clear_stale_lock(directory: Path) -> None:
-    lock = directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-        warnings.warn(f"removing a stale build lock left by a killed build: {lock}", RuntimeWarning, stacklevel=3)
-        lock.unlink(missing_ok=True)
+def _digest(paths, *texts) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.relative_to(KERNEL_DIR).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for text in (*texts, " ".join(CUDA_FLAGS + CXX_FLAGS)):
+        digest.update(text.encode() + b"\0")
+    return digest.hexdigest()[:12]
 
 
-@functools.cache
-def load(op: str) -> None:
-    """Build (or reuse) and load the extension of `op`; registers `torch.ops.cookbook.<op>`."""
-    reason = unavailable()
-    if reason:
-        raise RuntimeError(f"cannot build the CUDA C kernels of {op}: {reason}")
+def extension_dir(ext: Extension) -> Path:
+    units = "".join(ext.kernel_units().values()) + ext.binding_unit()
+    return _build_root() / f"{ext.name}-{_digest(ext.dependencies(), units)}"
+
+
+def op_dir(op: str) -> Path:
+    """The build directory of an op still built as one extension (`load`)."""
+    sources = sorted(p for p in KERNEL_DIR.rglob("*") if p.suffix in (".cuh", ".cu", ".h"))
+    return _build_root() / f"{op}-{_digest(sources)}"
+
+
+@contextmanager
+def _build_lock(directory: Path):
+    """Hold the OS lock of `directory` (waiting for a live builder, never for a dead one), then
+    clear the lock file a killed torch build may have left."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(directory.name + ".lock"), "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "another process"
+            print(f"waiting for {owner}, which is building {directory.name} ...", flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}")
+        handle.flush()
+        (directory / TORCH_BATON).unlink(missing_ok=True)  # only a dead builder leaves it now
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _build_environment(jobs: int | None):
+    """TORCH_CUDA_ARCH_LIST for this GPU only and, for parallel builds, MAX_JOBS (ninja's
+    parallel compiles), set for the builds and restored after. Set once around all the builds of
+    one call, never while another of its threads starts a compiler."""
+    wanted = {"TORCH_CUDA_ARCH_LIST": _arch()}
+    if jobs is not None and "MAX_JOBS" not in os.environ:
+        wanted["MAX_JOBS"] = str(jobs)
+    before = {key: os.environ.get(key) for key in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _compile(name: str, sources: list[str], directory: Path) -> BuildRecord:
+    """Build (or load the cached build of) one extension in `directory`; registers its ops."""
     from torch.utils import cpp_extension
 
-    directory = build_dir(op)
-    directory.mkdir(parents=True, exist_ok=True)
-    _clear_stale_lock(directory)
-    arch_before = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    os.environ["TORCH_CUDA_ARCH_LIST"] = _arch()  # build for this GPU only
-    try:
+    start = time.perf_counter()
+    cached = (directory / f"{name}.so").exists()
+    with _build_lock(directory):
         cpp_extension.load(
-            name=f"cookbook_{op}",
-            sources=[str(KERNEL_DIR / "bindings" / f"{op}.cu")],
+            name=name,
+            sources=sources,
             extra_include_paths=[str(KERNEL_DIR)],
             extra_cflags=CXX_FLAGS,
             extra_cuda_cflags=CUDA_FLAGS,
@@ -92,36 +155,105 @@ def load(op: str) -> None:
             is_python_module=False,
             verbose=os.environ.get("COOKBOOK_VERBOSE_BUILD", "0") == "1",
         )
-    finally:
-        if arch_before is None:
-            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-        else:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = arch_before
-    _register_fakes(op)
+    return BuildRecord(name, time.perf_counter() - start, cached)
 
 
-# The torch ops a binding defines, where they are not just `cookbook::<op>`.
+def _write_units(ext: Extension, directory: Path) -> list[str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    units = {"binding.cpp": ext.binding_unit(), **ext.kernel_units()}
+    for file_name, text in units.items():
+        path = directory / file_name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+    return [str(directory / file_name) for file_name in units]
+
+
+def _lock_of(name: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(name, threading.Lock())
+
+
+def _load(ext: Extension) -> BuildRecord:
+    """Build and load `ext` once per process (threads wait for each other), registering its fake."""
+    with _lock_of(ext.name):
+        if ext.name in BUILDS:
+            return BUILDS[ext.name]
+        reason = unavailable()
+        if reason:
+            raise RuntimeError(f"cannot build the CUDA C kernels of {ext.name}: {reason}")
+        directory = extension_dir(ext)
+        record = _compile(f"cookbook_{ext.name}", _write_units(ext, directory), directory)
+        record = BuildRecord(ext.name, record.seconds, record.cached)
+        _register_fakes((ext.name,))
+        how = "loaded from the cache" if record.cached else "built"
+        print(f"{ext.name}: {how} in {record.seconds:.1f} s", flush=True)
+        BUILDS[ext.name] = record
+        return record
+
+
+def load_extension(ext: Extension):
+    """The op `torch.ops.cookbook.<ext.name>`, built and loaded on first use."""
+    if ext.name not in BUILDS:
+        with _build_environment(jobs=None):
+            _load(ext)
+    return getattr(torch.ops.cookbook, ext.name)
+
+
+def build(extensions) -> dict[str, BuildRecord | Exception]:
+    """Build and load `extensions` in parallel (each also compiles its units in parallel): the
+    whole ladder of an op in about the time of its slowest kernel. {name: record, or the error}."""
+    extensions = list(dict.fromkeys(extensions))
+    pending = [ext for ext in extensions if ext.name not in BUILDS]
+    results: dict[str, BuildRecord | Exception] = {ext.name: BUILDS[ext.name] for ext in extensions if ext.name in BUILDS}
+    if not pending:
+        return results
+    # Every ninja may use every core: the units of all extensions share them, and the longest
+    # (the tuned kernel's) start as early as the shortest.
+    with _build_environment(jobs=os.cpu_count() or 1), ThreadPoolExecutor(max_workers=len(pending)) as pool:
+        futures = {ext.name: pool.submit(_load, ext) for ext in pending}
+        for name, future in futures.items():
+            try:
+                results[name] = future.result()
+            except Exception as error:  # reported per extension: the others still load
+                results[name] = error
+    return results
+
+
+@functools.cache
+def load(op: str) -> None:
+    """Build (or reuse) and load the one extension of an op in the older layout, from
+    `kernels_cuda/bindings/<op>.cu`; registers `torch.ops.cookbook.<op>` (and its helpers)."""
+    reason = unavailable()
+    if reason:
+        raise RuntimeError(f"cannot build the CUDA C kernels of {op}: {reason}")
+    with _build_environment(jobs=None):
+        record = _compile(f"cookbook_{op}", [str(KERNEL_DIR / "bindings" / f"{op}.cu")], op_dir(op))
+    _register_fakes(LIBRARY_OPS.get(op, (op,)))
+    print(f"{op}: {'loaded from the cache' if record.cached else 'built'} in {record.seconds:.1f} s", flush=True)
+    BUILDS[op] = BuildRecord(op, record.seconds, record.cached)
+
+
+# The torch ops a binding of the older layout defines, where they are not just `cookbook::<op>`.
 LIBRARY_OPS = {"tp_qk_norm": ("tp_qk_norm_sum_sq", "tp_qk_norm_apply", "tp_qk_norm_fused")}
 
 
-def _register_fakes(op: str) -> None:
-    """Fake (meta) kernels of the binding's `torch.ops.cookbook.*`: by the house convention every
-    CUDA C op mutates its tensor arguments in place and returns nothing."""
+def _register_fakes(names) -> None:
+    """Fake (meta) kernels of the extension's `torch.ops.cookbook.*`: by the house convention
+    every CUDA C op mutates its tensor arguments in place and returns nothing."""
 
     def fake(*args, **kwargs):
         return None
 
-    for name in LIBRARY_OPS.get(op, (op,)):
+    for name in names:
         torch.library.register_fake(f"cookbook::{name}", fake)
 
 
 # --------------------------------------------------------------------------------------------
 # Entry points with the registry's calling convention (the op's checked arguments, in place).
-# One small function per op; the registry binds `version`.
+# The registry binds `extension` (ladder layout) or `version` (older layout).
 # --------------------------------------------------------------------------------------------
-def qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, *, version):
-    load("qk_norm")
-    torch.ops.cookbook.qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding == "hf", version)
+def qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, *, extension: Extension):
+    load_extension(extension)(q, k, q_weight, k_weight, eps, weight_offset, rounding == "hf")
 
 
 def cross_head_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, *, version):

@@ -1,8 +1,14 @@
-"""Compile the torch-free kernel headers with nvcc alone and read the compiler's resource report.
+"""Compile the torch-free kernels with nvcc alone and read the compiler's resource report.
 
 Needs nvcc, not a GPU: CI runs it to prove every kernel compiles, and the docs quote its
-registers / spills per kernel. Each op header `kernels_cuda/<op>.cuh` defines
-`cookbook::<op>::launch`; taking its address instantiates every kernel the launcher can reach.
+registers / spills per kernel.
+
+* Ops in the ladder layout (qk_norm): each extension (a rung, or the tuned kernel) compiles as
+  one nvcc unit holding all its launchers (`compile_extension`), and its binding with the host
+  compiler against torch's headers (`compile_extension_binding`): the units the build compiles.
+* Ops in the older layout: the header `kernels_cuda/<op>.cuh` defines `cookbook::<op>::launch`;
+  taking its address instantiates every kernel the launcher can reach (`compile_header`), and
+  the binding `bindings/<op>.cu` compiles with nvcc (`compile_binding`).
 
     python -m cookbook.nvcc_report qk_norm      # prints registers and spills per kernel
 """
@@ -12,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -19,9 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import kernels_cuda
-
-KERNEL_DIR = Path(kernels_cuda.__file__).resolve().parent
+from kernels_cuda import KERNEL_DIR, Extension
 DEFAULT_ARCH = "sm_90"  # Hopper (H100/H200), the GPUs the cookbook is measured on
 NVCC_FLAGS = ["-std=c++20", "-O3", "--expt-relaxed-constexpr"]
 
@@ -79,31 +84,55 @@ def _report_cache(op: str, arch: str, unit_text: str, compiler: str) -> Path:
     stat = os.stat(os.path.realpath(compiler))
     for part in (unit_text, arch, " ".join(NVCC_FLAGS), os.path.realpath(compiler), str(stat.st_size), str(stat.st_mtime_ns)):
         digest.update(part.encode() + b"\0")
-    for header in sorted(KERNEL_DIR.rglob("*.cuh")):
+    for header in sorted(p for p in KERNEL_DIR.rglob("*") if p.suffix in (".cuh", ".h")):
         digest.update(str(header.relative_to(KERNEL_DIR)).encode() + b"\0" + header.read_bytes() + b"\0")
     root = Path(os.environ.get("COOKBOOK_BUILD_DIR", Path.home() / ".cache" / "fused-norm-cookbook"))
     return root / "ptxas_reports" / f"{op}-{arch}-{digest.hexdigest()[:24]}.log"
 
 
+def extensions(op: str | None = None) -> dict[str, Extension]:
+    """{name: extension} of every registered implementation in the ladder layout (of `op`)."""
+    from cookbook import registry
+
+    found = {}
+    for name in registry.ops() if op is None else [op]:
+        for impl in registry.implementations(name):
+            if impl.extension is not None:
+                found[impl.extension.name] = impl.extension
+    return found
+
+
 def compile_header(op: str, arch: str = DEFAULT_ARCH) -> list[KernelResources]:
-    """Compile every kernel of `kernels_cuda/<op>.cuh`; raise with nvcc's output on failure. The
-    report of a successful compile is reused while nothing it depends on changes (_report_cache)."""
+    """Compile every kernel of `kernels_cuda/<op>.cuh` (older layout); raise with nvcc's output on
+    failure."""
+    keep = "".join(f"auto const keep_{entry} = &cookbook::{op}::{entry};\n" for entry in ENTRY_POINTS.get(op, ("launch",)))
+    return _compile_unit(op, f'#include "{op}.cuh"\n{keep}', arch)
+
+
+def compile_extension(name: str, arch: str = DEFAULT_ARCH) -> list[KernelResources]:
+    """Compile every kernel of the extension `name` (``qk_norm_v3``): its launchers of every dtype
+    and rounding in one nvcc unit; raise with nvcc's output on failure."""
+    ext = extensions()[name]
+    return _compile_unit(name, "".join(ext.kernel_units().values()), arch)
+
+
+def _compile_unit(key: str, unit_text: str, arch: str) -> list[KernelResources]:
+    """Compile `unit_text` with nvcc and parse ptxas's report. The report of a successful compile
+    is reused while nothing it depends on changes (_report_cache)."""
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError("nvcc not found on PATH")
-    keep = "".join(f"auto const keep_{entry} = &cookbook::{op}::{entry};\n" for entry in ENTRY_POINTS.get(op, ("launch",)))
-    unit_text = f'#include "{op}.cuh"\n{keep}'
-    cache = _report_cache(op, arch, unit_text, compiler)
+    cache = _report_cache(key, arch, unit_text, compiler)
     if cache.is_file():
         return parse_ptxas(cache.read_text())
     with tempfile.TemporaryDirectory() as tmp:
-        unit = Path(tmp) / f"{op}_all.cu"
+        unit = Path(tmp) / f"{key}_all.cu"
         unit.write_text(unit_text)
         cmd = [compiler, *NVCC_FLAGS, f"-arch={arch}", f"-I{KERNEL_DIR}", "-Xptxas", "-v", "-c", str(unit),
                "-o", str(Path(tmp) / "unit.o")]
         run = _run_tool(cmd)
     if run.returncode != 0:
-        raise RuntimeError(f"nvcc failed on {op}.cuh:\n{run.stderr}")
+        raise RuntimeError(f"nvcc failed on {key}:\n{run.stderr}")
     try:  # another process may write the same report: write aside, then rename into place
         cache.parent.mkdir(parents=True, exist_ok=True)
         aside = cache.with_suffix(f".{os.getpid()}.tmp")
@@ -147,6 +176,39 @@ def compile_binding(op: str, arch: str = DEFAULT_ARCH) -> None:
         raise RuntimeError(f"nvcc failed on bindings/{op}.cu:\n{run.stderr[-4000:]}")
 
 
+_NVCC_INCLUDES = re.compile(r'^#\$ (?:INCLUDES|SYSTEM_INCLUDES)=(.*)$', re.MULTILINE)
+
+
+def cuda_includes() -> list[str]:
+    """The include folders nvcc passes to the host compiler (cuda_runtime.h among them), as its
+    dry run prints them: right wherever the toolkit lives, wrapper scripts included."""
+    run = _run_tool([nvcc(), "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull])
+    folders = []
+    for value in _NVCC_INCLUDES.findall(run.stderr + run.stdout):
+        folders += [word.removeprefix("-I") for word in shlex.split(value) if not word.startswith("-isystem")]
+    return folders
+
+
+def compile_extension_binding(name: str) -> None:
+    """Compile (not link) the host binding unit of extension `name` with the host compiler against
+    torch's headers, as the build does; raise with the compiler's output on failure."""
+    import sysconfig
+
+    ext = extensions()[name]
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None or nvcc() is None:
+        raise RuntimeError("a host C++ compiler and nvcc (for the CUDA headers) are needed")
+    with tempfile.TemporaryDirectory() as tmp:
+        unit = Path(tmp) / "binding.cpp"
+        unit.write_text(ext.binding_unit())
+        includes = [KERNEL_DIR, *torch_includes(Path(tmp)), sysconfig.get_paths()["include"], *cuda_includes()]
+        cmd = [compiler, "-std=c++20", "-O0", "-fPIC", *(f"-I{p}" for p in includes), "-c", str(unit),
+               "-o", str(Path(tmp) / "binding.o")]
+        run = _run_tool(cmd)
+    if run.returncode != 0:
+        raise RuntimeError(f"the host compiler failed on the binding of {name}:\n{run.stderr[-4000:]}")
+
+
 def parse_ptxas(log: str) -> list[KernelResources]:
     mangled, regs, spills = [], {}, {}
     current = None
@@ -165,9 +227,11 @@ def parse_ptxas(log: str) -> list[KernelResources]:
 def main(argv=None) -> int:
     ops = (argv if argv is not None else sys.argv[1:]) or ["qk_norm"]
     for op in ops:
-        print(f"{op}.cuh ({DEFAULT_ARCH}):")
-        for k in compile_header(op):
-            print(f"  {k.registers:4d} registers  {k.spill_bytes:4d} spill bytes  {k.kernel}")
+        reports = {name: compile_extension(name) for name in extensions(op)} or {f"{op}.cuh": compile_header(op)}
+        for unit, kernels in reports.items():
+            print(f"{unit} ({DEFAULT_ARCH}):")
+            for k in kernels:
+                print(f"  {k.registers:4d} registers  {k.spill_bytes:4d} spill bytes  {k.kernel}")
     return 0
 
 

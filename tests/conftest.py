@@ -34,7 +34,8 @@ def pytest_collection_finish(session):
     if nvcc_report.nvcc() is None or session.config.option.collectonly:
         return
     calls = [call for call in map(nvcc_jobs.call_of, session.items) if call is not None]
-    calls.sort(key=lambda call: call[0] is not nvcc_report.compile_header)  # the reports first: notebooks read them too
+    reports = (nvcc_report.compile_header, nvcc_report.compile_extension)
+    calls.sort(key=lambda call: call[0] not in reports)  # the reports first: notebooks read them too
     nvcc_jobs.start(calls)
 
 

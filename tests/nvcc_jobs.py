@@ -21,14 +21,16 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def call_of(item) -> tuple | None:
-    """(function, args) a collected test's `nvcc` marker names; the args default to its `op`."""
+    """(function, args) a collected test's `nvcc` marker names; the args default to its `op` (or
+    its extension's `name`) parameter."""
     marker = item.get_closest_marker("nvcc")
     if marker is None or not marker.args:
         return None
-    name, *args = marker.args
+    function, *args = marker.args
     if not args:
-        args = [item.callspec.params["op"]]
-    return getattr(nvcc_report, name), tuple(args)
+        params = item.callspec.params
+        args = [params["op"] if "op" in params else params["name"]]
+    return getattr(nvcc_report, function), tuple(args)
 
 
 def start(calls) -> None:
