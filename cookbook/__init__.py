@@ -1,14 +1,18 @@
 """Fused Norm Cookbook: the fused normalization kernels of LLM and diffusion inference.
 
-Each op exists as a PyTorch reference, a Numba CUDA kernel and optimized CUDA C versions; the
-registry (`cookbook.registry`) lists them all. Importing this package imports neither Numba nor
-the CUDA extension: both load on first use.
+The ops (each in place on q and k, each with ``backend="auto" | "cuda" | "numba" | "reference"``):
+
+* `qk_norm`: per-head RMSNorm of q and k (Qwen3, Gemma3, OLMo);
+* `cross_head_norm`: RMSNorm over each token's whole q row and k row (OLMo2, Wan, MiniMax);
+* `tp_qk_norm`: `cross_head_norm` over tensor-parallel column shards (a collective);
+* `qk_norm_rope`: per-head RMSNorm then rotary embedding, in one pass (FLUX, Qwen-Image, Qwen3).
+
+Each exists as a PyTorch reference, Numba CUDA kernels and CUDA C kernels (a teaching ladder and a
+tuned kernel); `cookbook.registry` lists them all, `cookbook.ops.<op>` holds each op's contract.
+Importing this package imports neither Numba nor the CUDA extensions: both load on first use.
 """
 
-from cookbook.ops.cross_head_norm import cross_head_norm
-from cookbook.ops.qk_norm import qk_norm
-from cookbook.ops.qk_norm_rope import qk_norm_rope
-from cookbook.ops.tp_qk_norm import tp_qk_norm, virtual_tp
+from cookbook.api import cross_head_norm, qk_norm, qk_norm_rope, tp_qk_norm, virtual_tp
 
 __all__ = ["qk_norm", "cross_head_norm", "tp_qk_norm", "virtual_tp", "qk_norm_rope"]
 __version__ = "0.1.0"

@@ -1,14 +1,20 @@
-"""The only list of implementations: op -> reference, Numba versions, CUDA C versions, peers.
+"""The only list of implementations: op -> reference, Numba versions, CUDA C rungs, tuned, peers.
 
 Tests, the benchmark and the notebooks iterate this module; an implementation that is not here
 does not exist, and one that is here is tested and benchmarked automatically. Targets are
 `module:attribute` strings resolved on first use, so importing the registry imports neither
-Numba nor the CUDA extension.
+Numba nor the CUDA extensions.
 
 Every implementation has the same calling convention: ``fn(*checked_args)``, in place, on the
 tensors that the op's ``check_inputs`` returned (for the per-head ops, ``[T, H, D]`` views).
-The `lead` of a CUDA C version is the one-line comment that precedes its kernel in the header
-(`// vN: <lead>`); a test keeps the two identical.
+
+Levels: ``reference`` (PyTorch), ``numba``, ``cuda`` (the CUDA C ladder: rungs v1..vN, each a
+standalone kernel that fixes one named bottleneck), ``tuned`` (the production CUDA C kernel,
+what ``backend="cuda"`` and ``"auto"`` run on a GPU) and ``peer`` (what a user would run instead).
+
+A lead is one line: what this implementation changes and which bottleneck it removes. A CUDA C
+kernel file opens with its lead (``// v3: <lead>``, ``// tuned: <lead>``); a test keeps the two
+identical. Measurements live in docs/results/, never in leads.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-LEVELS = ("reference", "numba", "cuda", "peer")
+LEVELS = ("reference", "numba", "cuda", "tuned", "peer")
+COMPILED_LEVELS = ("cuda", "tuned")  # CUDA C, built with nvcc
 
 
 @dataclass(frozen=True)
@@ -27,14 +34,26 @@ class Impl:
     op: str
     name: str
     level: str  # one of LEVELS
-    version: int  # 0 for the reference and peers
+    version: int  # the rung's number; 0 for the reference, tuned and peers
     target: str  # "module:attribute"
-    lead: str  # what changed from the previous version, and which bottleneck it removes
+    lead: str  # what changed, and which bottleneck it removes
+    kernel: str | None = None  # ladder layout: its CUDA C file under kernels_cuda/, its own extension
+
+    @property
+    def extension(self):
+        """The `kernels_cuda.Extension` this implementation builds (ladder layout), else None."""
+        if self.kernel is None:
+            return None
+        from kernels_cuda import Extension
+
+        return Extension(self.op, self.kernel)
 
     def build(self):
         """A fresh callable (peers return a new compiled object each time: one per shape)."""
         module, attr = self.target.split(":")
         obj = getattr(importlib.import_module(module), attr)
+        if self.kernel is not None:
+            return functools.partial(obj, extension=self.extension)
         if self.level == "cuda":
             return functools.partial(obj, version=self.version)
         if self.level == "peer":
@@ -60,7 +79,7 @@ class Impl:
             return None  # the collective baselines are plain torch.distributed: NCCL or gloo
         if device.type != "cuda":
             return f"{self.level} implementations run on CUDA tensors only"
-        if self.level == "cuda":
+        if self.level in COMPILED_LEVELS:
             from cookbook import cuda
 
             return cuda.unavailable()
@@ -75,7 +94,18 @@ def _ref(op, target):
 
 
 def _cuda(op, version, lead):
+    """A version of an op in the older layout: all versions in kernels_cuda/<op>.cuh, one extension."""
     return Impl(op, f"cuda_v{version}", "cuda", version, f"cookbook.cuda:{op}", lead)
+
+
+def _rung(op, version, kernel, lead):
+    """A rung of an op's ladder: kernels_cuda/<op>/<kernel>, built as its own extension."""
+    return Impl(op, f"cuda_v{version}", "cuda", version, f"cookbook.cuda:{op}", lead, kernel=f"{op}/{kernel}")
+
+
+def _tuned(op, lead):
+    """The production kernel of an op: kernels_cuda/<op>/tuned.cuh, its own extension."""
+    return Impl(op, "cuda_tuned", "tuned", 0, f"cookbook.cuda:{op}", lead, kernel=f"{op}/tuned.cuh")
 
 
 IMPLEMENTATIONS: dict[str, list[Impl]] = {
@@ -84,23 +114,23 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         Impl("qk_norm", "numba_v1", "numba", 1, "kernels_numba.qk_norm:qk_norm",
              "one warp per (token, head): lanes read neighbouring elements, a warp-shuffle sum of squares, a second pass writes"),
         Impl("qk_norm", "numba_v2", "numba", 2, "kernels_numba.qk_norm:qk_norm_v2",
-             "head_dim fixed at build time: the row stays in registers (one read) and the unrolled loads are in flight together - removes v1's second read and one-load-at-a-time latency"),
+             "head_dim fixed at build time: the row stays in registers, its unrolled loads in flight together - removes v1's second read and serial loads"),
         Impl("qk_norm", "numba_v3", "numba", 3, "kernels_numba.qk_norm:qk_norm_v3",
-             "bf16 rows read and written as 32-bit words (two columns per load and store) by lanes sized to the head (16 per row at head_dim 128), a (token, head group) grid, unsigned indices, the rounding and the weights' storage fixed at build time (as qk_norm_rope's numba_v3) - removes v2's warp per row, its one 2-byte load per element and its signed 64-bit index arithmetic"),
-        _cuda("qk_norm", 1, "one thread per (token, head) row, the naive port: a warp's loads are head_dim elements apart (uncoalesced)"),
-        _cuda("qk_norm", 2, "one warp per (token, head) with a shuffle reduction: lanes read neighbouring elements (coalesced) - removes v1's scattered loads"),
-        _cuda("qk_norm", 3, "16-byte vectors held in registers, lanes sized to the head, q and k on a persistent grid with the weights loaded once per thread - removes v2's second read and narrow loads"),
-        _cuda("qk_norm", 4, "a 32-bit row -> (token, head) division where rows < 2^32 - removes most of v3's per-row index arithmetic"),
-        _cuda("qk_norm", 5, "x read and written by streaming (evict-first) global accesses, as qk_norm_rope v5 and cross_head_norm v5 do - removes v4's default caching of bytes that are touched once"),
-        _cuda("qk_norm", 6, "v5 as a programmatic dependent launch (as tp_qk_norm v5): its CTAs become resident while the previous kernel finishes and wait in hardware (griddepcontrol) for its writes - removes the launch gap between back-to-back kernels from each call"),
-        _cuda("qk_norm", 7, "v6 where a call's rows need more than one trip of v6's resident grid but fit in one when each lane group takes two rows: both rows' loads are issued before either is reduced - removes v6's second serial DRAM round trip at mid-size batches (about 180 to 350 tokens of 72 heads on an H200)"),
-        _cuda("qk_norm", 8, "v7 with the row -> (token, head) division done by a multiply-high with a magic number the host computes once per launch - removes the ~20-instruction 32-bit division from every row of every lane"),
-        _cuda("qk_norm", 9, "v8 with, where a call's rows fit in one trip of the grid (decode), a one-trip kernel: a lane group requests its row, then only that row's weight (q's or k's) as 16-byte vectors - removes the loop, the second weight's loads and the q/k select from a decode call's critical path"),
-        _cuda("qk_norm", 10, "v9 with head_dims of a whole number of 16-byte vectors that is not a power of two (80, 96, 160, 192) on the vector path: a row's lane group is padded to the next power of two of lanes, and the lanes past its last vector hold none - removes v9's fall back to v2 (a warp per row, one element per load) at those head_dims, where torch.compile was faster"),
-        _cuda("qk_norm", 11, "v10 with the one-trip kernel at every size: a grid of all the call's rows, which the hardware's block scheduler hands out to SMs as they free a slot - removes the persistent grid's fixed share of rows per SM, which held streaming kernels to 88-90 % of the copy on the H200 where a grid of all rows reached 96-98 %"),
-        _cuda("qk_norm", 12, "v11 with q's and k's weights prefetched into L2 by two lane groups of the first block before the wait, while the previous kernel still runs - removes the weights' DRAM round trip from a decode call, which the one-token probe put at 0.25 of its 1.17 us"),
-        _cuda("qk_norm", 13, "v12 with, at calls of two to eight waves of blocks, each lane group warming into L2 the row a wave of blocks ahead of its own once its row's loads are issued - removes the DRAM round trip that every block of the later waves waited for before its first sum"),
-        _cuda("qk_norm", 14, "v13 with, in calls of at least one wave of v13's blocks, two 16-byte vectors per lane: half as many lanes per row (8 at head_dim 128 in bf16), each doing twice the elements - removes half of the per-row work that every lane of a row repeats (its row's and weight's addresses, predicates, the shuffle sum's steps, rsqrt), which kept the SMs' issue slots about 70 % busy in a memory-bound kernel"),
+             "bf16 rows as 32-bit words by lanes sized to the head, unsigned indices - removes v2's warp per row and its one 2-byte load per element"),
+        _rung("qk_norm", 1, "v1_thread_per_row.cuh",
+              "one thread per (token, head) row, the naive port: a warp's loads are head_dim elements apart (uncoalesced)"),
+        _rung("qk_norm", 2, "v2_warp_per_row.cuh",
+              "one warp per (token, head) row with a shuffle reduction: lanes read neighbouring elements (coalesced) - removes v1's scattered loads"),
+        _rung("qk_norm", 3, "v3_vectors_in_registers.cuh",
+              "16-byte vectors held in registers by a lane group sized to the head, on a persistent grid - removes v2's second read and one-element loads"),
+        _rung("qk_norm", 4, "v4_grid_of_all_rows.cuh",
+              "a grid of all rows, one per lane group, handed to SMs as they free a slot - removes v3's fixed share of rows per SM"),
+        _rung("qk_norm", 5, "v5_programmatic_warm.cuh",
+              "a programmatic dependent launch whose first block warms the weights into L2 while waiting - removes the launch gap and the weights' DRAM round trip"),
+        _rung("qk_norm", 6, "v6_two_vectors_per_lane.cuh",
+              "two 16-byte vectors per lane, half as many lanes per row - removes half the per-row work each lane repeats (addresses, shuffles, rsqrt)"),
+        _tuned("qk_norm",
+               "v6's kernel with streaming accesses, a multiply-high row division and the next wave's rows warmed, its shape chosen per call by one named policy"),
         Impl("qk_norm", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
     ],
@@ -175,7 +205,7 @@ CONTRACTS = {"qk_norm_rope": "cookbook.ops.qk_norm_rope", "qk_norm": "cookbook.o
              "cross_head_norm": "cookbook.ops.cross_head_norm", "tp_qk_norm": "cookbook.ops.tp_qk_norm"}
 
 # Ops whose every call is a collective over a process group: the single-process benchmark and
-# tour leave them to `cookbook.bench_tp` (which runs one process per GPU under torchrun).
+# tour leave them to `cookbook.bench.tp` (which runs one process per GPU under torchrun).
 DISTRIBUTED_OPS = ("tp_qk_norm",)
 
 
@@ -199,8 +229,15 @@ def get(op: str, name: str) -> Impl:
 
 
 def latest(op: str, level: str) -> Impl:
-    """The last (fastest) version of a level: what `backend=level` runs."""
+    """The last version of a level (the highest rung of the ladder, for "cuda")."""
     return max(implementations(op, (level,)), key=lambda impl: impl.version)
+
+
+def fastest(op: str) -> Impl:
+    """What `backend="cuda"` runs: the op's tuned kernel, or its last CUDA C version where the op
+    has no tuned kernel yet (ops still in the older layout)."""
+    tuned = implementations(op, ("tuned",))
+    return tuned[0] if tuned else latest(op, "cuda")
 
 
 @functools.cache
@@ -211,23 +248,22 @@ def _warn_fallback(op: str, reason: str) -> None:
 
 
 def resolve(op: str, backend: str, device) -> Impl:
-    """The implementation `backend` names, for tensors on `device`."""
+    """The implementation `backend` names, for tensors on `device`: "reference" and "numba" their
+    level's last version, "cuda" the tuned kernel, "auto" the fastest that can run there."""
     device = torch.device(device)
     if backend == "auto":
         if device.type != "cuda":
             return latest(op, "reference")
-        for level in ("cuda", "numba"):
-            impl = latest(op, level)
-            if impl.unavailable(device) is None:
-                return impl
-        _warn_fallback(op, latest(op, "cuda").unavailable(device))
+        for candidate in (fastest(op), latest(op, "numba")):
+            if candidate.unavailable(device) is None:
+                return candidate
+        _warn_fallback(op, fastest(op).unavailable(device))
         return latest(op, "reference")
     from cookbook._checks import require_backend_device
 
     require_backend_device(backend, device)
-    impl = latest(op, backend)
+    impl = fastest(op) if backend == "cuda" else latest(op, backend)
     reason = impl.unavailable(device)
     if reason:
         raise RuntimeError(f"backend={backend!r} is unavailable for {op} on {device}: {reason}")
     return impl
-

@@ -58,6 +58,7 @@ import random
 import re
 import struct
 
+import cookbook
 from cookbook import bench, nvcc_report, registry, tp_workspace
 from cookbook.ops import cross_head_norm as cross
 from cookbook.testing import agreement
@@ -217,7 +218,7 @@ for dtype, rounding in ((torch.bfloat16, "fused"), (torch.bfloat16, "hf"), (torc
     tol = contract.TOLERANCES[dtype]
     single = full_inputs(dtype)
     want = cross.expected(single, EPS, 0.0, rounding)
-    cross.cross_head_norm(**single, eps=EPS, rounding=rounding, backend="reference")
+    cookbook.cross_head_norm(**single, eps=EPS, rounding=rounding, backend="reference")
     print(f"{str(dtype).removeprefix('torch.')}, rounding={rounding!r}, {VTP_TOKENS} tokens, q {Q_WIDTH} / k {K_WIDTH} wide:")
     for tp in (1, 2, 4, 8):
         x = full_inputs(dtype)

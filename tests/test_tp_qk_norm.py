@@ -120,7 +120,7 @@ def test_virtual_tp_equals_cross_head_norm(case):
         full = dict(full, q=full["q"].clone(), k=full["k"].clone())
     eps, offset, rounding = case["eps"], case["weight_offset"], case["rounding"]
     want = tp.expected(full, 0, 1, eps, offset, rounding)
-    crossed = cross.cross_head_norm(full["q"].clone(), full["k"].clone(), full["q_weight"], full["k_weight"], eps,
+    crossed = cookbook.cross_head_norm(full["q"].clone(), full["k"].clone(), full["q_weight"], full["k_weight"], eps,
                                     weight_offset=offset, rounding=rounding, backend="reference")
     qkv, v_from = full["q"]._base, case["q_width"] + case["k_width"]
     v_before = None if qkv is None else qkv[:, v_from:].clone()
@@ -308,17 +308,17 @@ def _bad_cases():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("label,make,error,fragment", _bad_cases(), ids=[c[0] for c in _bad_cases()])
 def test_bad_input_is_rejected_untouched(backend, label, make, error, fragment):
-    assert_rejected_untouched(tp.tp_qk_norm, make(), error, fragment, backend=backend)
+    assert_rejected_untouched(cookbook.tp_qk_norm, make(), error, fragment, backend=backend)
 
 
 def test_bad_backend_name():
-    assert_rejected_untouched(tp.tp_qk_norm, _good(), ValueError, "backend: expected one of", backend="triton")
+    assert_rejected_untouched(cookbook.tp_qk_norm, _good(), ValueError, "backend: expected one of", backend="triton")
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the CPU-tensor error of the CUDA backend")
 def test_cpu_tensors_with_cuda_backend():
     fragment = "backend='cuda': expected CUDA tensors, got tensors on cpu"
-    assert_rejected_untouched(tp.tp_qk_norm, _good(), ValueError, fragment, backend="cuda")
+    assert_rejected_untouched(cookbook.tp_qk_norm, _good(), ValueError, fragment, backend="cuda")
 
 
 @pytest.mark.parametrize("tp_size,q_width,k_width,fragment", [
@@ -363,8 +363,8 @@ def test_world_size_one_is_cross_head_norm(backend, dtype):
     qkv = shards["q_shard"]._base
     v_before = qkv[:, 96:].clone()
 
-    q, k = tp.tp_qk_norm(**shards, weight_offset=1.0, rounding="hf", backend=backend)
-    cross.cross_head_norm(**plain, weight_offset=1.0, rounding="hf", backend=backend)
+    q, k = cookbook.tp_qk_norm(**shards, weight_offset=1.0, rounding="hf", backend=backend)
+    cookbook.cross_head_norm(**plain, weight_offset=1.0, rounding="hf", backend=backend)
     assert q is shards["q_shard"] and k is shards["k_shard"]
     assert torch.equal(q, plain["q"]) and torch.equal(k, plain["k"]), "tp=1 should be cross_head_norm exactly"
     assert torch.equal(qkv[:, 96:], v_before), "v (the rest of qkv) was modified"
@@ -392,7 +392,7 @@ def _cpu_implementations():
 def _run_impl(name, backend, shards, eps, weight_offset, rounding):
     """Through the public op where `backend=` picks it, else on the checked arguments."""
     if backend is not None:
-        tp.tp_qk_norm(**shards, eps=eps, weight_offset=weight_offset, rounding=rounding, backend=backend)
+        cookbook.tp_qk_norm(**shards, eps=eps, weight_offset=weight_offset, rounding=rounding, backend=backend)
         return
     args = tp.check_inputs(**shards, eps=eps, weight_offset=weight_offset, rounding=rounding)
     tp.check_ranks_agree(args)
@@ -445,13 +445,13 @@ def _rank_rejects_mismatch(rank, world, what, backend):
     before = {out: shards[out].clone() for out in OUTPUTS}
     error = None
     try:
-        tp.tp_qk_norm(**shards, backend=backend)
+        cookbook.tp_qk_norm(**shards, backend=backend)
     except Exception as e:  # judged by the test
         error = (type(e).__name__, str(e))
     untouched = all(torch.equal(shards[out], before[out]) for out in OUTPUTS)
     follow_up = tp.make_inputs(1, 4 * world, 2 * world, torch.float32, seed=9, rank=rank, tp=world)
     full = tp.make_full_inputs(1, 4 * world, 2 * world, torch.float32, seed=9)
-    tp.tp_qk_norm(**follow_up, backend="reference")
+    cookbook.tp_qk_norm(**follow_up, backend="reference")
     want = tp.expected(full, rank, world, 1e-6, 0.0, "fused")
     after = [(bool(ok), m) for ok, m in reports("follow-up call", {o: follow_up[o] for o in OUTPUTS}, want, "fused")]
     return dict(error=error, untouched=untouched, follow_up=after)

@@ -36,7 +36,8 @@ os.environ.setdefault("COOKBOOK_TP_CAPACITY_TOKENS", "8192")  # before cookbook.
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from cookbook import bench, registry  # noqa: E402
+import cookbook  # noqa: E402
+from cookbook import api, bench, registry  # noqa: E402
 from cookbook.ops import tp_qk_norm as tp  # noqa: E402
 from cookbook.testing import agreement  # noqa: E402
 
@@ -84,7 +85,7 @@ def check_agreement(rank, world, small, only_impls=None):
                         check_shards(f"{impl.name} T={t} {q_width}/{k_width} {dtype} {rounding} w={weight_dtype}",
                                      shard, full, rank, world, rounding=rounding)
                     shard = tp.shard_of(full, rank, world)
-                    tp.tp_qk_norm(**shard, rounding=rounding)  # the public op, backend="auto"
+                    cookbook.tp_qk_norm(**shard, rounding=rounding)  # the public op, backend="auto"
                     check_shards(f"public T={t} {dtype} {rounding}", shard, full, rank, world, rounding=rounding)
     # Unaligned views (a qkv shard whose q starts one element in): the element-at-a-time path.
     full = tp.make_full_inputs(7, 96, 48, torch.bfloat16, "cuda", seed=3)
@@ -94,7 +95,7 @@ def check_agreement(rank, world, small, only_impls=None):
     base[:, 1 : 1 + q_w] = shard["q_shard"]
     base[:, 1 + q_w :] = shard["k_shard"]
     shard = dict(shard, q_shard=base[:, 1 : 1 + q_w], k_shard=base[:, 1 + q_w :])
-    tp.tp_qk_norm(**shard, backend="cuda")
+    cookbook.tp_qk_norm(**shard, backend="cuda")
     check_shards("cuda unaligned", shard, full, rank, world)
 
 
@@ -240,7 +241,7 @@ def check_reuse(rank, world, calls):
         t = int(torch.randint(1, 300, (1,), generator=gen))
         full = tp.make_full_inputs(t, 256, 128, torch.bfloat16, "cuda", seed=i)
         shard = tp.shard_of(full, rank, world)
-        tp.tp_qk_norm(**shard, backend="cuda")
+        cookbook.tp_qk_norm(**shard, backend="cuda")
         if i % 50 == 0 or i == calls - 1:
             check_shards(f"reuse call {i} T={t}", shard, full, rank, world)
         else:  # cheap check every call: against the float32 reference on gathered-equivalent math
@@ -254,12 +255,12 @@ def check_reuse(rank, world, calls):
 def check_graph(rank, world):
     fulls = [tp.make_full_inputs(16 + 8 * i, 512, 128, torch.bfloat16, "cuda", seed=100 + i) for i in range(8)]
     shards = [tp.shard_of(f, rank, world) for f in fulls]
-    tp.tp_qk_norm(**tp.shard_of(fulls[0], rank, world), backend="cuda")  # workspace and build before capture
+    cookbook.tp_qk_norm(**tp.shard_of(fulls[0], rank, world), backend="cuda")  # workspace and build before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for s in shards:
-            tp.tp_qk_norm(**s, backend="cuda")
+            cookbook.tp_qk_norm(**s, backend="cuda")
     replay_and_check("graph", graph, shards, fulls, rank, world)
 
 
@@ -281,13 +282,13 @@ def check_mismatch(rank, world):
         full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=9)
         shard = tp.shard_of(full, rank, world)
         before = {n: v.clone() for n, v in shard.items()}
-        tp.tp_qk_norm(**shard, backend="cuda")  # fused: detected on the GPU, raised at the next call
+        cookbook.tp_qk_norm(**shard, backend="cuda")  # fused: detected on the GPU, raised at the next call
         torch.cuda.synchronize()
         for n in ("q_shard", "k_shard"):
             if not torch.equal(shard[n], before[n]):
                 failures.append(f"mismatch ({case}): {n} was modified")
         try:
-            tp.raise_pending_errors()
+            api.raise_pending_errors()
             failures.append(f"mismatch ({case}): no error was raised on this rank")
         except ValueError as error:
             if "tokens" not in str(error):
@@ -295,13 +296,13 @@ def check_mismatch(rank, world):
     full = tp.make_full_inputs(5 + rank, 256, 128, torch.bfloat16, "cuda", seed=9)
     shard = tp.shard_of(full, rank, world)
     try:  # the NCCL path raises at the call itself
-        tp.tp_qk_norm(**shard, backend="reference")
+        cookbook.tp_qk_norm(**shard, backend="reference")
         failures.append("mismatch: the reference path raised nothing")
     except ValueError:
         pass
     full = tp.make_full_inputs(9, 256, 128, torch.bfloat16, "cuda", seed=10)  # and the group still works
     shard = tp.shard_of(full, rank, world)
-    tp.tp_qk_norm(**shard, backend="cuda")
+    cookbook.tp_qk_norm(**shard, backend="cuda")
     check_shards("after a mismatch", shard, full, rank, world)
 
 
@@ -309,7 +310,7 @@ def check_chunks(rank, world):
     capacity = int(os.environ["COOKBOOK_TP_CAPACITY_TOKENS"])
     full = tp.make_full_inputs(2 * capacity + 17, 256, 64, torch.bfloat16, "cuda", seed=11)
     shard = tp.shard_of(full, rank, world)
-    tp.tp_qk_norm(**shard, backend="cuda")
+    cookbook.tp_qk_norm(**shard, backend="cuda")
     check_shards(f"chunks of {capacity}", shard, full, rank, world)
 
 
@@ -319,18 +320,18 @@ def check_chunk_mismatch(rank, world):
     full = tp.make_full_inputs(capacity + 5 if rank == 0 else 3, 128, 64, torch.bfloat16, "cuda", seed=12)
     shard = tp.shard_of(full, rank, world)
     before = {n: v.clone() for n, v in shard.items()}
-    tp.tp_qk_norm(**shard, backend="cuda")
+    cookbook.tp_qk_norm(**shard, backend="cuda")
     torch.cuda.synchronize()  # would hang if rank 0's second chunk waited for a peer that has none
     if any(not torch.equal(shard[n], before[n]) for n in ("q_shard", "k_shard")):
         failures.append("chunk mismatch: a shard was modified")
     try:
-        tp.raise_pending_errors()
+        api.raise_pending_errors()
         failures.append("chunk mismatch: no error was raised on this rank")
     except ValueError:
         pass
     full = tp.make_full_inputs(2 * capacity + 1, 128, 64, torch.bfloat16, "cuda", seed=13)  # still in step
     shard = tp.shard_of(full, rank, world)
-    tp.tp_qk_norm(**shard, backend="cuda")
+    cookbook.tp_qk_norm(**shard, backend="cuda")
     check_shards("after a chunk mismatch", shard, full, rank, world)
 
 
@@ -348,7 +349,7 @@ def check_epoch_wrap(rank, world):
         t, q_width, k_width = (4000, 6144, 1024) if i % 2 else (5 + 3 * i, 256, 128)
         full = tp.make_full_inputs(t, q_width, k_width, torch.bfloat16, "cuda", seed=200 + i)
         shard = tp.shard_of(full, rank, world)
-        tp.tp_qk_norm(**shard, backend="cuda")
+        cookbook.tp_qk_norm(**shard, backend="cuda")
         check_shards(f"wrap call {i}", shard, full, rank, world)
     epoch = int(ws.counters[0]) & 0xFFFFFFFF
     if epoch != 6:  # 0xfffffffc, fd, fe, ff, then 2, 3, 4, 5: the next is 6

@@ -134,41 +134,6 @@ def expected(inputs, eps, weight_offset, rounding):
 
 
 # --------------------------------------------------------------------------------------------
-# The public op.
-# --------------------------------------------------------------------------------------------
-def qk_norm(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, rounding="fused", backend="auto"):
-    """Per-head RMSNorm of q and k in place; returns ``(q, k)``. See the module docstring."""
-    C.require_choice("backend", backend, C.BACKENDS)
-    a = check_inputs(q, k, q_weight, k_weight, eps, weight_offset, rounding)
-    if a.q.shape[0] == 0:
-        return q, k
-    if torch.compiler.is_compiling():
-        # torch.compile sees one opaque op (its fake kernel says: mutates q and k, returns
-        # nothing); the registry lookup and the lazy build run when the graph runs.
-        torch.ops.cookbook.qk_norm_dispatch(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, backend)
-    else:
-        _run(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, backend)
-    return q, k
-
-
-def _run(
-    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-    eps: float, weight_offset: float, rounding: str, backend: str,
-) -> None:
-    from cookbook import registry
-
-    registry.resolve(OP, backend, q.device).fn(q, k, q_weight, k_weight, eps, weight_offset, rounding)
-
-
-_dispatch = torch.library.custom_op("cookbook::qk_norm_dispatch", _run, mutates_args=("q", "k"))
-
-
-@_dispatch.register_fake
-def _(q, k, q_weight, k_weight, eps, weight_offset, rounding, backend):
-    return None
-
-
-# --------------------------------------------------------------------------------------------
 # Inputs, tolerances, bytes: what tests, benchmarks and notebooks share.
 # --------------------------------------------------------------------------------------------
 INPUT_KINDS = ("normal", "constant", "zero_rows", "tiny", "huge")

@@ -236,54 +236,6 @@ def expected(inputs, eps, weight_offset, rounding):
 
 
 # --------------------------------------------------------------------------------------------
-# The public op.
-# --------------------------------------------------------------------------------------------
-def qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps=1e-6, *, is_neox=True, rope_dim=None,
-                 position_offset=0, weight_offset=0.0, rounding="fused", validate_positions=False, backend="auto"):
-    """Per-head RMSNorm then rotary embedding of q and k in place; returns ``(q, k)``.
-    See the module docstring."""
-    C.require_choice("backend", backend, C.BACKENDS)
-    rope = Rope(is_neox, rope_dim, position_offset)
-    a = check_inputs(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, rope)
-    if validate_positions:
-        if torch.compiler.is_compiling():
-            raise RuntimeError("validate_positions=True reads positions on the host (a sync): not under torch.compile")
-        check_positions_in_range(a.positions, a.position_offset, a.cos_sin_cache.shape[0])
-    if a.q.shape[0] == 0:
-        return q, k
-    args = (a.q, a.k, a.q_weight, a.k_weight, a.cos_sin_cache, a.positions, a.eps, a.weight_offset, a.rounding,
-            a.is_neox, a.rope_dim, a.position_offset, backend)
-    if torch.compiler.is_compiling():
-        # One opaque op for torch.compile (mutates q and k, returns nothing), as in qk_norm.
-        torch.ops.cookbook.qk_norm_rope_dispatch(*args)
-    else:
-        _run(*args)
-    return q, k
-
-
-def _run(
-    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-    cos_sin_cache: torch.Tensor, positions: torch.Tensor, eps: float, weight_offset: float, rounding: str,
-    is_neox: bool, rope_dim: int, position_offset: int, backend: str,
-) -> None:
-    from cookbook import registry
-
-    registry.resolve(OP, backend, q.device).fn(
-        q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox, rope_dim,
-        position_offset,
-    )
-
-
-_dispatch = torch.library.custom_op("cookbook::qk_norm_rope_dispatch", _run, mutates_args=("q", "k"))
-
-
-@_dispatch.register_fake
-def _(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox, rope_dim,
-      position_offset, backend):
-    return None
-
-
-# --------------------------------------------------------------------------------------------
 # Inputs, tolerances, bytes: what tests, benchmarks and notebooks share.
 # --------------------------------------------------------------------------------------------
 INPUT_KINDS = qk_norm_contract.INPUT_KINDS

@@ -1,0 +1,298 @@
+"""The public ops: check the arguments once, pick the implementation, run it in place.
+
+Each op's contract (math, checks, reference, inputs, tolerances) lives in `cookbook.ops.<op>`;
+the implementations are listed in `cookbook.registry`. Under `torch.compile` each op is one opaque
+custom op (it mutates q and k and returns nothing), so the registry lookup and the lazy build
+run when the graph runs, and CUDA graphs capture the kernels it launches.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from cookbook import _checks as C
+from cookbook import registry
+from cookbook.ops import cross_head_norm as cross_head_norm_contract
+from cookbook.ops import qk_norm as qk_norm_contract
+from cookbook.ops import qk_norm_rope as qk_norm_rope_contract
+from cookbook.ops import tp_qk_norm as tp_contract
+
+_BACKENDS_DOC = """backend: "auto" (default) runs the tuned CUDA C kernel on CUDA tensors (the PyTorch
+            reference on CPU tensors); "cuda" the tuned CUDA C kernel (built on first use, a few
+            seconds); "numba" the last Numba kernel (on a CPU only under NUMBA_ENABLE_CUDASIM=1);
+            "reference" the PyTorch reference, on any device."""
+
+
+def _as_op(name: str, run, mutates=("q", "k")):
+    """`run` as the custom op cookbook::<name> (what torch.compile sees), with its fake kernel."""
+    op = torch.library.custom_op(f"cookbook::{name}", run, mutates_args=mutates)
+
+    @op.register_fake
+    def _(*args):
+        return None
+
+    return op
+
+
+# --------------------------------------------------------------------------------------------
+# qk_norm
+# --------------------------------------------------------------------------------------------
+def qk_norm(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, rounding="fused", backend="auto"):
+    """Per-head RMSNorm of q and k, in place, q and k in one launch; returns ``(q, k)``.
+
+    For every (token, head) row ``x`` of q and of k, accumulated in float32::
+
+        y = x * rsqrt(mean(x^2) + eps) * (w + weight_offset)
+
+    Args:
+        q: ``[tokens..., num_q_heads, head_dim]``, float32, float16 or bfloat16. The last dim
+            contiguous; token and head strides are free (a view into a fused qkv tensor works).
+        k: ``[tokens..., num_kv_heads, head_dim]``, the dtype, device, token dims and head_dim of q
+            (any GQA ratio).
+        q_weight, k_weight: ``[head_dim]``, in q's dtype or float32.
+        eps: added to mean(x^2) inside the square root; a finite float >= 0.
+        weight_offset: added to the weights in float32 (1.0 for Gemma's ``(1 + w)``).
+        rounding: "fused" rounds once at the end (FlashInfer, SGLang); "hf" in Hugging Face's
+            order, ``round(round(x * rstd) * round(w + weight_offset))``.
+        {backends}
+
+    Returns:
+        ``(q, k)``: the same tensors, normalized in place.
+
+    Raises:
+        ValueError, TypeError: a bad argument, named in the message with its shape, stride and
+            dtype and what was expected. Nothing is written unless every check passes.
+        RuntimeError: the backend cannot run here (e.g. backend="cuda" without a GPU).
+
+    The contract, its tolerances and the bench shapes: `cookbook.ops.qk_norm`.
+    """
+    C.require_choice("backend", backend, C.BACKENDS)
+    a = qk_norm_contract.check_inputs(q, k, q_weight, k_weight, eps, weight_offset, rounding)
+    if a.q.shape[0] == 0:
+        return q, k
+    run = _qk_norm_op if torch.compiler.is_compiling() else _run_qk_norm
+    run(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, backend)
+    return q, k
+
+
+def _run_qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 weight_offset: float, rounding: str, backend: str) -> None:
+    registry.resolve("qk_norm", backend, q.device).fn(q, k, q_weight, k_weight, eps, weight_offset, rounding)
+
+
+_qk_norm_op = _as_op("qk_norm_dispatch", _run_qk_norm)
+
+
+# --------------------------------------------------------------------------------------------
+# cross_head_norm
+# --------------------------------------------------------------------------------------------
+def cross_head_norm(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, rounding="fused", backend="auto"):
+    """RMSNorm of each token's whole q row and whole k row (across heads), in place; returns ``(q, k)``.
+
+    For every token, over all of q's columns (``num_q_heads * head_dim``) and, separately, all of
+    k's, accumulated in float32: ``y = x * rsqrt(mean(x^2) + eps) * (w + weight_offset)``.
+
+    Args:
+        q: ``[tokens..., q_hidden]`` or ``[tokens..., num_q_heads, head_dim]`` with packed heads;
+            float32, float16 or bfloat16, last dim contiguous, token stride free.
+        k: the same for k (its own hidden size), the dtype, device and token dims of q.
+        q_weight, k_weight: ``[q_hidden]`` and ``[k_hidden]``, in q's dtype or float32.
+        eps, weight_offset, rounding: as in `qk_norm`.
+        {backends}
+
+    Returns:
+        ``(q, k)``, normalized in place. Bad arguments raise ValueError or TypeError naming the
+        argument before anything is written.
+
+    The contract: `cookbook.ops.cross_head_norm`.
+    """
+    C.require_choice("backend", backend, C.BACKENDS)
+    a = cross_head_norm_contract.check_inputs(q, k, q_weight, k_weight, eps, weight_offset, rounding)
+    if a.q.shape[0] == 0:
+        return q, k
+    run = _cross_head_norm_op if torch.compiler.is_compiling() else _run_cross_head_norm
+    run(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, backend)
+    return q, k
+
+
+def _run_cross_head_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                         weight_offset: float, rounding: str, backend: str) -> None:
+    registry.resolve("cross_head_norm", backend, q.device).fn(q, k, q_weight, k_weight, eps, weight_offset, rounding)
+
+
+_cross_head_norm_op = _as_op("cross_head_norm_dispatch", _run_cross_head_norm)
+
+
+# --------------------------------------------------------------------------------------------
+# qk_norm_rope
+# --------------------------------------------------------------------------------------------
+def qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps=1e-6, *, is_neox=True, rope_dim=None,
+                 position_offset=0, weight_offset=0.0, rounding="fused", validate_positions=False, backend="auto"):
+    """Per-head RMSNorm then rotary embedding of q and k, in place, in one pass; returns ``(q, k)``.
+
+    Each (token, head) row is normalized as in `qk_norm`, then its first ``rope_dim`` columns
+    are rotated by the angle of the token's position (read from ``cos_sin_cache``).
+
+    Args:
+        q, k, q_weight, k_weight, eps, weight_offset, rounding: as in `qk_norm`.
+        cos_sin_cache: ``[max_position, rope_dim]``: cos of each position's angles in the first
+            half of a row, sin in the second; float32 or the activation dtype.
+        positions: ``[tokens]`` int32 or int64, each in ``[0, max_position - position_offset)``.
+        is_neox: True rotates the pairs (i, i + rope_dim / 2) (NeoX, Llama); False the
+            neighbouring pairs (2i, 2i + 1) (GPT-J, interleaved).
+        rope_dim: the rotated columns, even, at most head_dim (None: all of head_dim).
+        position_offset: added to every position before the cache lookup.
+        validate_positions: check the positions' range on the host first (a device sync).
+        {backends}
+
+    Returns:
+        ``(q, k)``, normalized and rotated in place. Bad arguments raise ValueError or TypeError
+        naming the argument before anything is written.
+
+    The contract: `cookbook.ops.qk_norm_rope`.
+    """
+    C.require_choice("backend", backend, C.BACKENDS)
+    rope = qk_norm_rope_contract.Rope(is_neox, rope_dim, position_offset)
+    a = qk_norm_rope_contract.check_inputs(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset,
+                                           rounding, rope)
+    if validate_positions:
+        if torch.compiler.is_compiling():
+            raise RuntimeError("validate_positions=True reads positions on the host (a sync): not under torch.compile")
+        qk_norm_rope_contract.check_positions_in_range(a.positions, a.position_offset, a.cos_sin_cache.shape[0])
+    if a.q.shape[0] == 0:
+        return q, k
+    run = _qk_norm_rope_op if torch.compiler.is_compiling() else _run_qk_norm_rope
+    run(a.q, a.k, a.q_weight, a.k_weight, a.cos_sin_cache, a.positions, a.eps, a.weight_offset, a.rounding, a.is_neox,
+        a.rope_dim, a.position_offset, backend)
+    return q, k
+
+
+def _run_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, positions: torch.Tensor, eps: float, weight_offset: float,
+                      rounding: str, is_neox: bool, rope_dim: int, position_offset: int, backend: str) -> None:
+    registry.resolve("qk_norm_rope", backend, q.device).fn(
+        q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox, rope_dim,
+        position_offset)
+
+
+_qk_norm_rope_op = _as_op("qk_norm_rope_dispatch", _run_qk_norm_rope)
+
+
+# --------------------------------------------------------------------------------------------
+# tp_qk_norm: a collective
+# --------------------------------------------------------------------------------------------
+def tp_qk_norm(q_shard, k_shard, q_weight_shard, k_weight_shard, eps=1e-6, *, group=None, weight_offset=0.0,
+               rounding="fused", backend="auto"):
+    """`cross_head_norm` of q and k split by columns over the ranks of `group`, in place on this
+    rank's shards; returns ``(q_shard, k_shard)``. A collective: every rank makes the same call.
+
+    Each rank sums the squares of its columns; only those two floats per token cross the GPUs
+    (an all-reduce); each rank then normalizes its shard with the full width's statistic.
+
+    Args:
+        q_shard: ``[tokens..., q_shard_width]``, this rank's columns of q (full width = shard
+            width * ranks); k_shard likewise; the same tokens on every rank.
+        q_weight_shard, k_weight_shard: this rank's slices of the weights.
+        eps, weight_offset, rounding: as in `qk_norm`.
+        group: a torch.distributed process group (None: the default group when one is
+            initialized, else a single rank, which is `cross_head_norm`). NCCL groups take CUDA
+            tensors, gloo groups CPU tensors.
+        {backends} On CUDA, "auto" and "cuda" take the fused kernel where every
+            rank's GPU can write into every other's memory, else the NCCL pipeline (said once).
+
+    Returns:
+        ``(q_shard, k_shard)``, normalized in place. Ranks that disagree on the token count or the
+        shard widths get an error on every rank, never a hang; the fused kernel reports it at the
+        next call (or `cookbook.api.raise_pending_errors()`).
+
+    The contract: `cookbook.ops.tp_qk_norm`.
+    """
+    C.require_choice("backend", backend, C.BACKENDS)
+    a = tp_contract.check_inputs(q_shard, k_shard, q_weight_shard, k_weight_shard, eps, weight_offset, rounding, group)
+    if tp_contract.world_of(a.group)[1] == 1:  # tp=1: the whole row is here
+        cross_head_norm(a.q, a.k, a.q_weight, a.k_weight, a.eps, weight_offset=a.weight_offset, rounding=a.rounding,
+                        backend=backend)
+        return q_shard, k_shard
+    if torch.compiler.is_compiling():
+        # One opaque op that mutates the shards (the group travels by name); the path choice, the
+        # rank check and the launch run when the graph runs.
+        _tp_qk_norm_op(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, backend,
+                       a.group.group_name)
+    else:
+        _run_tp_qk_norm(a, backend)
+    return q_shard, k_shard
+
+
+def _run_tp_qk_norm(a: tp_contract.TPQKNormArgs, backend: str) -> None:
+    """The collective call on checked arguments: pick the path, check the ranks agree, launch."""
+    impl = resolve_tp(backend, a)
+    raise_pending_errors(a.group)
+    if not is_fused(impl):  # the fused kernel compares the ranks' headers on the GPU instead
+        capturing = a.q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing:  # a CUDA-graph capture cannot read the all-reduced shapes back
+            tp_contract.check_ranks_agree(a)
+        if a.q.shape[0] == 0:
+            return
+    # The fused kernel launches even with no tokens: its header tells the peers this rank's count.
+    impl.fn(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group)
+
+
+def _run_tp_qk_norm_by_group_name(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                                  eps: float, weight_offset: float, rounding: str, backend: str,
+                                  group_name: str) -> None:
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    _run_tp_qk_norm(tp_contract.TPQKNormArgs(q, k, q_weight, k_weight, eps, weight_offset, rounding, group), backend)
+
+
+_tp_qk_norm_op = _as_op("tp_qk_norm_dispatch", _run_tp_qk_norm_by_group_name)
+
+FIRST_FUSED_VERSION = 2  # tp_qk_norm's cuda_v1 is the three-launch NCCL pipeline; v2 on, one kernel per call
+
+
+def is_fused(impl) -> bool:
+    """Whether a tp_qk_norm implementation is the fused kernel (one launch, symmetric memory)."""
+    return impl.level == "cuda" and impl.version >= FIRST_FUSED_VERSION
+
+
+@functools.cache
+def _say_fallback(reason: str) -> None:
+    warnings.warn(f"tp_qk_norm: the fused kernel cannot run here ({reason}); using the NCCL path (cuda_v1)",
+                  RuntimeWarning, stacklevel=5)
+
+
+def resolve_tp(backend: str, a: tp_contract.TPQKNormArgs):
+    """The tp_qk_norm implementation `backend` names. On CUDA, "auto" and "cuda" take the fused
+    kernel when every rank's GPU can write into every other's memory (one node, P2P/NVLink), else
+    the NCCL pipeline cuda_v1, and say so once. The decision is made once per group,
+    collectively, so every rank takes the same path."""
+    device = a.q.device
+    if backend == "auto" and device.type != "cuda":
+        return registry.latest("tp_qk_norm", "reference")
+    impl = registry.resolve("tp_qk_norm", "cuda" if backend == "auto" else backend, device)
+    if is_fused(impl):
+        from cookbook import tp_workspace
+
+        reason = tp_workspace.unavailable(a.group)
+        if reason:
+            _say_fallback(reason)
+            return registry.get("tp_qk_norm", "cuda_v1")
+    return impl
+
+
+def raise_pending_errors(group=None) -> None:
+    """Raise the mismatch a fused tp_qk_norm call detected on the GPU (if any) on this rank; the
+    fused path runs it at the start of every call. Call after `torch.cuda.synchronize()` to check
+    the last call."""
+    from cookbook import tp_workspace
+
+    tp_workspace.raise_pending_errors(group)
+
+
+virtual_tp = tp_contract.virtual_tp
+
+for _op in (qk_norm, cross_head_norm, qk_norm_rope, tp_qk_norm):
+    _op.__doc__ = _op.__doc__.replace("{backends}", _BACKENDS_DOC)
