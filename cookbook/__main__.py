@@ -72,13 +72,13 @@ def main(argv=None) -> int:
     if on_cpu:
         status = exit_status(bench.tour(ops=ops)) if ops else 0
         if collective or not args.ops:  # the collective op's tour: two gloo ranks under torchrun
-            from cookbook import bench_tp
+            from cookbook.bench import tp as bench_tp
 
             status = max(status, bench_tp.launch_tour())
         return status
     status = 0
-    if collective:  # one process per GPU, under torchrun (cookbook.bench_tp)
-        from cookbook import bench_tp
+    if collective:  # one process per GPU, under torchrun (cookbook.bench.tp)
+        from cookbook.bench import tp as bench_tp
 
         forward = ["--dtype", args.dtype, "--shapes", args.shapes, "--out", args.out, "--results-dir", args.results_dir,
                    *(["--no-results"] if args.no_results else []),

@@ -40,7 +40,7 @@ def time_copy_us(nbytes: int) -> float:
     sets = min(bench.MAX_INPUT_SETS, max(2, math.ceil(bench.L2_FLUSH_FACTOR * bench.l2_bytes() / nbytes)))
     pairs = [(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.ones(nbytes, dtype=torch.uint8, device="cuda"))
              for _ in range(sets)]
-    median_us = bench.summarize(bench.measure(bench._copy, pairs).per_call_us)["median_us"]
+    median_us = bench.summarize(bench.measure(bench.device_copy, pairs).per_call_us)["median_us"]
     del pairs
     torch.cuda.empty_cache()
     return median_us

@@ -171,12 +171,12 @@ def test_markdown_table_pads_columns():
 @cpu_only
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="gloo is not available")
 def test_the_collective_tour_runs_on_two_gloo_ranks():
-    """`python -m cookbook.bench_tp --tour` (what `python -m cookbook` runs on a CPU for tp_qk_norm):
+    """`python -m cookbook.bench.tp --tour` (what `python -m cookbook` runs on a CPU for tp_qk_norm):
     torchrun starts two gloo ranks, every CPU implementation agrees on every rank, exit status 0."""
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "cookbook.bench_tp", "--tour"], cwd=bench.REPO_ROOT,
+    run = subprocess.run([sys.executable, "-m", "cookbook.bench.tp", "--tour"], cwd=bench.REPO_ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     expected = len(tp_contract.SIM_SHAPES) * len(bench.TOUR_DTYPES) * len(bench.ROUNDINGS) * len(
@@ -185,7 +185,7 @@ def test_the_collective_tour_runs_on_two_gloo_ranks():
 
 
 def test_the_collective_bench_rejects_an_unknown_row(capsys):
-    from cookbook import bench_tp
+    from cookbook.bench import tp as bench_tp
 
     with pytest.raises(SystemExit) as exit_info:
         bench_tp.main(["--impls", "cuda_v1,cuda_v99"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cookbook.bench_tp import MULTICAST_OFF
+from cookbook.bench.tp import MULTICAST_OFF
 
 ROOT = Path(__file__).resolve().parents[1]
 NPROC = 2

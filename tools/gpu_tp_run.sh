@@ -30,7 +30,7 @@ if [[ $what == checks || $what == all ]]; then
     > "$OUT/sanitizer_api.log" 2>&1
 fi
 if [[ $what == bench || $what == all ]]; then
-  if [[ $shapes == decode ]]; then bench=(python3 -m cookbook.bench_tp --no-results); else bench=(python3 -m cookbook bench --ops tp_qk_norm); fi
+  if [[ $shapes == decode ]]; then bench=(python3 -m cookbook.bench.tp --no-results); else bench=(python3 -m cookbook bench --ops tp_qk_norm); fi
   timeout 420 "${bench[@]}" --nproc "$nproc" --shapes "$shapes" --out "$OUT/bench" 2>&1 \
     | grep -v "^W1\|NumbaPerformanceWarning\|warn(" | tee "$OUT/bench.log" | tail -70
   tar czf "$OUT/results.tgz" docs/results/tp_qk_norm_* "$OUT/bench" 2>/dev/null

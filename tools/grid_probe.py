@@ -90,7 +90,7 @@ for name, moved in sizes.items():
     nb = moved // 2 // 65536 * 65536
     count = min(bench.MAX_INPUT_SETS, max(2, math.ceil(bench.L2_FLUSH_FACTOR * bench.l2_bytes() / nb)))
     pairs = [(torch.empty(nb, dtype=torch.uint8, device="cuda"), torch.ones(nb, dtype=torch.uint8, device="cuda")) for _ in range(count)]
-    res = {"copy_": t(bench._copy, pairs)}
+    res = {"copy_": t(bench.device_copy, pairs)}
     persistent = sms * 8
     for mode, label in ((0, "1vec"), (1, "1vec.cs"), (2, "4vec"), (3, "4vec.cs")):
         for blocks, glabel in ((0, "full grid"), (persistent, "persistent")):

@@ -1,8 +1,8 @@
 """The benchmark of the collective op `tp_qk_norm`: one process per GPU, under torchrun (and its
-CPU tour: ``python -m cookbook.bench_tp --tour``, gloo ranks, agreement only).
+CPU tour: ``python -m cookbook.bench.tp --tour``, gloo ranks, agreement only).
 
 ``python -m cookbook bench --ops tp_qk_norm [--nproc N]`` starts ``torchrun --nproc-per-node N
--m cookbook.bench_tp ...`` (N: 2 by default, or every visible GPU if fewer); each rank then runs
+-m cookbook.bench.tp ...`` (N: 2 by default, or every visible GPU if fewer); each rank then runs
 this module on its own GPU, in one NCCL group (NVLink multicast stays off: the environment's
 NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are passed on).
 
@@ -77,7 +77,7 @@ def launch(nproc: int | None, argv: list[str]) -> int:
 def _torchrun(nproc: int, argv: list[str], env: dict) -> int:
     """This module on `nproc` local ranks under torchrun, with `env` added to the environment."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "cookbook.bench_tp", *argv]
+           "-m", "cookbook.bench.tp", *argv]
     print("$", shlex.join(cmd), flush=True)
     return subprocess.run(cmd, env={**os.environ, **env}).returncode
 
@@ -87,16 +87,16 @@ def _torchrun(nproc: int, argv: list[str], env: dict) -> int:
 # --------------------------------------------------------------------------------------------
 def time_per_call(fn, arg_sets, calls: int) -> tuple[list[float], str]:
     """Per-call microseconds of `calls` calls of fn per replay (graph, or a loop if capture fails)."""
-    bench._warm_up(fn, arg_sets)
-    graph, why_loop = bench._capture(fn, arg_sets, calls)
-    replay = graph.replay if graph is not None else (lambda: bench._launch(fn, arg_sets, calls))
+    bench.warm_up(fn, arg_sets)
+    graph, why_loop = bench.capture(fn, arg_sets, calls)
+    replay = graph.replay if graph is not None else (lambda: bench.launch_calls(fn, arg_sets, calls))
     for _ in range(WARMUP_REPLAYS):
         replay()
     per_replay = []
     for _ in range(TIMED_REPLAYS):  # each replay alone, after a barrier: every rank starts together
         dist.barrier()
         torch.cuda.synchronize()
-        per_replay += bench._time_replays(replay, 1)
+        per_replay += bench.time_replays(replay, 1)
     return [us / calls for us in per_replay], ("loop: " + why_loop if why_loop else "graph")
 
 
@@ -193,7 +193,7 @@ def run_shape(shape, dtype, rank, world, group, meta, only=None) -> list[dict]:
             per_call, method = time_per_call(fn, per_set, calls_for(max(everyone), len(per_set)))
             row.update(slowest_rank(bench.summarize(per_call)), method=method)
         except Exception as error:  # noqa: BLE001 - one failing row must not end the run
-            row["error"] = bench._error_text(error)
+            row["error"] = bench.error_text(error)
         if rank == 0:
             timing = f"{row['median_us']:.2f} us" if row["median_us"] is not None else row["error"]
             print(f"{label:44s} {name:28s} {timing}", flush=True)
@@ -270,7 +270,7 @@ def tour(rank: int, world: int) -> int:
                         mine = (all(v.ok for v in verdicts), max(v.max_ulp for v in verdicts),
                                 "; ".join(v.message for v in verdicts if not v.ok))
                     except Exception as error:  # noqa: BLE001 - reported in the table
-                        mine = (False, None, bench._error_text(error))
+                        mine = (False, None, bench.error_text(error))
                     everyone = [None] * world
                     dist.all_gather_object(everyone, mine)
                     ok = all(r[0] for r in everyone)
@@ -307,7 +307,7 @@ def metadata(command: str, dtype, world: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cookbook.bench_tp")
+    parser = argparse.ArgumentParser(prog="python -m cookbook.bench.tp")
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(bench.DTYPES))
     parser.add_argument("--shapes", default="full", choices=(*bench.SHAPE_CHOICES, DECODE),
                         help=f"quick: first, middle and last shapes; {DECODE}: the shapes of at most {DECODE_TOKENS} tokens")
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     if not under_torchrun():
         forward = [a for i, a in enumerate(argv)  # drop --nproc N / --nproc=N: torchrun sets the ranks
                    if not a.startswith("--nproc") and not (i > 0 and argv[i - 1] == "--nproc")]
-        command = shlex.join(["python", "-m", "cookbook.bench_tp", *argv])
+        command = shlex.join(["python", "-m", "cookbook.bench.tp", *argv])
         return launch(args.nproc, [*forward, "--command", args.command or command])
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     dtype = bench.resolve_dtype(args.dtype)
-    meta = metadata(args.command or "python -m cookbook.bench_tp", dtype, world)
+    meta = metadata(args.command or "python -m cookbook.bench.tp", dtype, world)
     rows = []
     try:
         shapes = [sh for sh in tp.BENCH_SHAPES if sh[0] <= DECODE_TOKENS] if args.shapes == DECODE else \

@@ -1,0 +1,92 @@
+"""The CPU tour: every implementation a CPU can run (the PyTorch reference, the Numba kernels
+under Numba's CUDA simulator) on the contract's tiny ``SIM_SHAPES``, float32 and bfloat16, both
+roundings, each checked for agreement. Simulator timings mean nothing: every GPU thread runs as a
+Python thread."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import torch
+
+from cookbook import registry
+from cookbook.bench.common import (ROUNDINGS, TOUR_DTYPES, TOUR_SEED, US_PER_MS, dtype_name, error_text,
+                                   expected_outputs, resolve_ops, run_and_compare, split_available)
+from cookbook.bench.tables import tour_table
+
+
+def request_simulator() -> None:
+    """On a machine without a GPU, ask for Numba's CUDA simulator if Numba has not read its
+    configuration yet (it reads NUMBA_ENABLE_CUDASIM once, at import; `kernels_numba.SIMULATOR`
+    likewise). On a GPU machine the process keeps real Numba kernels: `python -m cookbook tour`
+    turns the simulator on for its own process."""
+    numba_configured = "numba.core.config" in sys.modules or "kernels_numba" in sys.modules
+    if not numba_configured and not torch.cuda.is_available():
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+
+def tour(ops=None, shapes=None, dtypes=TOUR_DTYPES, roundings=ROUNDINGS, echo=print) -> list[dict]:
+    """Run and check every CPU-runnable implementation; returns one row per call.
+
+    `shapes` maps an op to its shapes (default: the contract's ``SIM_SHAPES``; each shape is the
+    leading positional arguments of the contract's ``make_inputs``).
+    """
+    request_simulator()
+    ops = [op for op in resolve_ops(ops) if op not in registry.DISTRIBUTED_OPS]  # collectives: cookbook.bench.tp
+    rows = []
+    for op in ops:
+        contract = registry.contract(op)
+        runnable, skipped = split_available(op, "cpu")
+        op_rows = []
+        for shape in (shapes or {}).get(op, contract.SIM_SHAPES):
+            for dtype in dtypes:
+                for rounding in roundings:
+                    op_rows += _tour_case(op, contract, runnable, shape, dtype, rounding)
+        echo(f"\n{op}: agreement on the CPU (timings are simulator wall time: they mean nothing)")
+        echo(tour_table(op_rows))
+        for row in op_rows:
+            if not row["agrees"]:
+                echo(f"  FAIL {row['label']} {row['dtype']} {row['rounding']}: {row['agreement']}")
+        for impl, reason in skipped:
+            echo(f"  not run here: {impl.name} ({reason})")
+        rows += op_rows
+    failed = sum(not row["agrees"] for row in rows)
+    echo(f"\n{len(rows) - failed} of {len(rows)} runs agree with the contract." + (" FAILURES above." if failed else ""))
+    echo(gpu_would_add(ops))
+    return rows
+
+
+def _tour_case(op, contract, impls, shape, dtype, rounding) -> list[dict]:
+    make = functools.partial(contract.make_inputs, *shape, dtype=dtype, device="cpu", seed=TOUR_SEED)
+    expected = expected_outputs(contract, make(), rounding)
+    label = contract.bench_case(shape, dtype, "cpu")[1]  # tiny shapes: a cheap way to the label
+    rows = []
+    for impl in impls:
+        row = dict(op=op, label=label, shape=list(shape), dtype=dtype_name(dtype), rounding=rounding,
+                   impl=impl.name, level=impl.level, agrees=False, max_ulp=None, agreement="", wall_ms=None)
+        try:
+            verdict, seconds = run_and_compare(contract, impl.name, impl.fn, make(), expected, rounding)
+            row.update(agrees=verdict.ok, max_ulp=verdict.max_ulp, agreement=verdict.message,
+                       wall_ms=seconds * US_PER_MS)
+        except Exception as error:  # report it in the table and go on with the others
+            row.update(agreement=error_text(error))
+        rows.append(row)
+    return rows
+
+
+def gpu_would_add(ops) -> str:
+    """What `python -m cookbook bench` adds on a CUDA GPU, named from the registry."""
+    lines = ["\nOn a CUDA GPU, `python -m cookbook bench` also:"]
+    for op in ops:
+        gpu_only = [impl.name for impl in registry.implementations(op, ("cuda", "peer"))]
+        lines.append(f"  - runs {op}'s {', '.join(gpu_only)} and its Numba kernels on the real GPU;")
+    lines += [
+        "  - checks each implementation on every benchmark shape, then times it by CUDA-graph replay",
+        "    over rotating input sets (median, p20-p80), in GB/s and % of a device-to-device copy",
+        "    measured in the same run, with speedups over PyTorch eager and torch.compile;",
+        "  - writes results.csv, results.json and latency / %-of-copy plots to bench_out/, and the",
+        "    results pages docs/results/<op>_<gpu>.md (with plots and JSON) that the docs link to.",
+    ]
+    return "\n".join(lines)
