@@ -12,7 +12,7 @@ from cookbook.testing import agreement
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
-KERNEL_LEVELS = ("reference", "numba", "cuda")
+KERNEL_LEVELS = ("reference", "numba", "cuda", "tuned")
 
 
 def kernel_impls(op):
@@ -93,13 +93,17 @@ def launched_kernels(fn):
 
 def check_dispatch(op, version, make, picked):
     """For both rounding orders (the fused one with float32 weights, Hugging Face's with weights in
-    the activation dtype): the kernels that `cuda_v<version>` launches on `make(seed, weight_dtype)`
-    (q and k of the op's contract, zero rows included) satisfy `picked(kernel names)`, and the
-    version agrees with the reference on fresh inputs, at eps=0 and weight_offset=0.5."""
+    the activation dtype): the kernels that `version` (a CUDA C version number, or an
+    implementation's name such as "cuda_tuned") launches on `make(seed, weight_dtype)` (q and k of
+    the op's contract, zero rows included) satisfy `picked(kernel names)`, and it agrees with the
+    reference on fresh inputs, at eps=0 and weight_offset=0.5."""
     from cookbook import cuda
 
-    cuda.load(op)
-    impl = registry.get(op, f"cuda_v{version}")
+    impl = registry.get(op, version if isinstance(version, str) else f"cuda_v{version}")
+    if impl.extension is not None:
+        cuda.load_extension(impl.extension)
+    else:
+        cuda.load(op)
     for seed, (rounding, weight_dtype) in enumerate((("fused", torch.float32), ("hf", None))):
         x = make(2 * seed, weight_dtype)
         names = launched_kernels(lambda: impl.fn(x["q"], x["k"], x["q_weight"], x["k_weight"], 0.0, 0.5, rounding))

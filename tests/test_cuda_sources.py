@@ -1,4 +1,4 @@
-"""The CUDA C sources on a machine without a GPU: the headers agree with the registry, every
+"""The CUDA C sources on a machine without a GPU: the kernel files agree with the registry, every
 kernel compiles with nvcc alone, without spills, and the torch bindings compile too."""
 
 from __future__ import annotations
@@ -10,8 +10,12 @@ import pytest
 
 import nvcc_jobs
 from cookbook import nvcc_report, registry
+from kernels_cuda import KERNEL_DIR
 
-CUDA_OPS = [op for op in registry.ops() if registry.implementations(op, ("cuda",))]
+EXTENSIONS = list(nvcc_report.extensions())  # the ladder layout: one per rung and tuned kernel
+LADDER_OPS = sorted({ext.op for ext in nvcc_report.extensions().values()})
+# The older layout: every version in kernels_cuda/<op>.cuh, built as one extension.
+CUDA_OPS = [op for op in registry.ops() if registry.implementations(op, ("cuda",)) and op not in LADDER_OPS]
 needs_nvcc = pytest.mark.skipif(nvcc_report.nvcc() is None, reason="nvcc not on PATH")
 _VERSION_LINE = re.compile(r"^// v(\d+): (.+)$", re.MULTILINE)
 
@@ -32,6 +36,28 @@ def test_header_versions_match_registry(op):
     assert f"kNumVersions = {len(registered)};" in header(op)
 
 
+@pytest.mark.parametrize("op", LADDER_OPS)
+def test_every_kernel_file_is_registered_and_opens_with_its_lead(op):
+    """The ladder layout: each rung file `vN_<what>.cuh` and `tuned.cuh` is registered, and its
+    first line is `// vN: <lead>` (`// tuned: <lead>`), the registry's lead."""
+    registered = {impl.kernel: impl for impl in registry.implementations(op) if impl.kernel is not None}
+    on_disk = {f"{op}/{path.name}" for path in (KERNEL_DIR / op).glob("*.cuh") if re.match(r"(v\d+_\w+|tuned)\.cuh$", path.name)}
+    assert on_disk == set(registered), f"kernel files and registry differ: {on_disk ^ set(registered)}"
+    for kernel, impl in registered.items():
+        first_line = (KERNEL_DIR / kernel).read_text().splitlines()[0]
+        label = f"v{impl.version}" if impl.level == "cuda" else "tuned"
+        assert first_line == f"// {label}: {impl.lead}", f"{kernel}: {first_line!r} is not the registry's lead"
+        assert kernel.split("/")[1].startswith(f"{label}_" if impl.level == "cuda" else "tuned"), kernel
+
+
+@pytest.mark.parametrize("op", LADDER_OPS)
+def test_leads_are_one_line(op):
+    """A lead says what changed and what it removes in about 25 words; numbers live in docs/results."""
+    for impl in registry.implementations(op):
+        assert len(impl.lead.split()) <= 26, f"{impl.name}: {len(impl.lead.split())} words"
+        assert not re.search(r"\d+(\.\d+)? ?(us|%|x\b)", impl.lead), f"{impl.name}: a measurement in the lead"
+
+
 @needs_nvcc
 @pytest.mark.nvcc("compile_header")
 @pytest.mark.parametrize("op", CUDA_OPS)
@@ -40,6 +66,23 @@ def test_kernels_compile_without_spills(op):
     assert kernels, "nvcc reported no kernels"
     spilling = [k for k in kernels if k.spill_bytes]
     assert not spilling, f"register spills: {spilling}"
+
+
+@needs_nvcc
+@pytest.mark.nvcc("compile_extension")
+@pytest.mark.parametrize("name", EXTENSIONS)
+def test_extension_compiles_without_spills(name):
+    kernels = nvcc_jobs.result(nvcc_report.compile_extension, name)
+    assert kernels, "nvcc reported no kernels"
+    spilling = [k for k in kernels if k.spill_bytes]
+    assert not spilling, f"register spills: {spilling}"
+
+
+@needs_nvcc
+@pytest.mark.nvcc("compile_extension_binding")
+@pytest.mark.parametrize("name", EXTENSIONS)
+def test_extension_binding_compiles(name):
+    nvcc_jobs.result(nvcc_report.compile_extension_binding, name)  # raises with the compiler's output
 
 
 @needs_nvcc

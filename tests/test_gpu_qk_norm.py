@@ -1,4 +1,5 @@
-"""qk_norm on a real GPU: torch.compile, CUDA graphs, opcheck, 64-bit strides, compute-sanitizer.
+"""qk_norm on a real GPU: every rung and the tuned kernel at scale, the tuned kernel's policy,
+torch.compile, CUDA graphs, opcheck, 64-bit strides, compute-sanitizer.
 
 Skipped on machines without a CUDA GPU (CI); run on an H100/H200 through the device tool."""
 
@@ -18,6 +19,7 @@ from helpers import ON_GPU, check_dispatch, clone_inputs, kernel_impls, launched
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 OP = "qk_norm"
+COMPILED = [pytest.param(impl, id=impl.name) for impl in registry.implementations(OP, registry.COMPILED_LEVELS)]
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
@@ -29,70 +31,65 @@ def test_shapes_at_scale(impl, shape, dtype):
     run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding="fused")
 
 
-def two_trip_token_counts(heads, head_dim):
-    """Token counts around v7's two-rows-per-group band on this GPU: more rows than v6's grid of
-    6 blocks x (256 / lanes per row) groups per SM holds, at most twice that (both edges, odd
-    counts, and one past the band, where v7 runs v6's kernel again)."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    lanes_per_row = min(head_dim // 8, 32)  # 16-byte bf16 vectors, at most a warp per row
-    one_trip = sms * 6 * (256 // lanes_per_row)
-    first, last = one_trip // heads + 1, 2 * one_trip // heads
-    return [first, (first + last) // 2 | 1, last, last + 1]
-
-
 @pytest.mark.parametrize("impl", kernel_impls(OP))
-@pytest.mark.parametrize("heads, head_dim", [((64, 8), 128), ((16, 4), 256), ((32, 8), 64)])
+@pytest.mark.parametrize("tokens", [1, 5, 300, 2049, 3001])
 @pytest.mark.parametrize("rounding, weight_offset", [("fused", 0.0), ("hf", 1.0)])
-def test_one_to_two_trips_of_the_grid(impl, heads, head_dim, rounding, weight_offset):
-    """v7 covers calls of one to two trips of v6's grid with two rows per lane group: every row,
-    the group's second row past the last one included, comes out right."""
+def test_one_wave_to_many(impl, tokens, rounding, weight_offset):
+    """From one block to several waves of them, the last block partly empty: every row right, in
+    both rounding orders (3001 x 9 heads: the tuned kernel's two vectors per lane with the next
+    wave warmed)."""
     require(impl)
-    for tokens in two_trip_token_counts(sum(heads), head_dim):
-        inputs = contract.make_inputs(tokens, *heads, head_dim, torch.bfloat16, "cuda", seed=tokens, fused_qkv=True)
-        run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=weight_offset, rounding=rounding)
+    inputs = contract.make_inputs(tokens, 8, 1, 128, torch.bfloat16, "cuda", seed=tokens, fused_qkv=True,
+                                  kind="zero_rows")
+    run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=weight_offset, rounding=rounding)
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
 @pytest.mark.parametrize("heads", [(1, 1), (2, 1), (3, 1), (7, 5), (40, 8), (96, 32), (127, 1)], ids=str)
 def test_row_to_token_division(impl, heads):
-    """v8 divides rows by the head count with a host-computed magic number: every (token, head)
-    must land on its own row, for head counts that are and are not powers of two."""
+    """Every (token, head) lands on its own row, for head counts that are and are not powers of
+    two (the tuned kernel divides by a host-computed magic number)."""
     require(impl)
     inputs = contract.make_inputs(333, *heads, 128, torch.bfloat16, "cuda", seed=sum(heads), fused_qkv=True)
     run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding="fused")
 
 
-@pytest.mark.parametrize("impl", kernel_impls(OP))
-@pytest.mark.parametrize("weights", ["misaligned", "float32", "float32_misaligned"])
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_decode_weights_of_every_layout(impl, weights, tokens):
-    """v9's one-trip kernel reads a row's weight as 16-byte vectors where both weights are 16-byte
-    aligned and element by element otherwise, in the activation dtype or float32."""
-    require(impl)
-    inputs = contract.make_inputs(tokens, 16, 4, 128, torch.bfloat16, "cuda", seed=tokens, fused_qkv=True)
-    dtype = torch.float32 if weights.startswith("float32") else torch.bfloat16
+def _weights_laid_out(inputs, weights):
+    """The inputs with both weights in float32 and/or one element off 16 bytes into their buffer."""
+    dtype = torch.float32 if weights.startswith("float32") else inputs["q"].dtype
     for name in ("q_weight", "k_weight"):
         w = inputs[name].to(dtype)
-        if weights.endswith("misaligned"):  # one element into its buffer: 2 or 4 bytes off 16
+        if weights.endswith("misaligned"):
             buffer = torch.empty(w.numel() + 1, dtype=dtype, device="cuda")
             buffer[1:].copy_(w)
             w = buffer[1:]
         inputs[name] = w
-    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=1.0, rounding="hf")
+    return inputs
 
 
-# v10 pads a row's lane group to a power of two where the head is a whole number of 16-byte
-# vectors that is not one (80, 96, 160 and 192 elements: 10, 12, 20 and 24 bf16 vectors, twice
-# that in float32), so the lanes past the last vector must load, weigh and store nothing. One
-# token and five take the one-trip kernel, 2000 tokens x 9 heads the persistent loop.
-PADDED_HEAD_DIMS = [80, 96, 160, 192]
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("weights", ["misaligned", "float32", "float32_misaligned"])
+@pytest.mark.parametrize("tokens", [1, 5, 3001])
+def test_weights_of_every_layout(impl, weights, tokens):
+    """A row's weight is read as 16-byte vectors where both weights are 16-byte aligned and element
+    by element otherwise, in the activation dtype or float32."""
+    require(impl)
+    inputs = contract.make_inputs(tokens, 16, 4, 128, torch.bfloat16, "cuda", seed=tokens, fused_qkv=True)
+    run_and_compare(OP, impl, _weights_laid_out(inputs, weights), eps=1e-6, weight_offset=1.0, rounding="hf")
+
+
+# The tuned kernel pads a row's lane group to a power of two where the head is a whole number of
+# 16-byte vectors that is not one (80, 96, 160 and 192 elements: 10, 12, 20 and 24 bf16 vectors,
+# twice that in float32), so the lanes past the last vector must load, weigh and store nothing.
+# The rungs run these head_dims on rung 2's warp per row. 112 is compiled by no vector kernel.
+PADDED_HEAD_DIMS = [80, 96, 112, 160, 192]
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
 @pytest.mark.parametrize("head_dim", PADDED_HEAD_DIMS)
 @pytest.mark.parametrize("dtype, rounding", [(torch.bfloat16, "fused"), (torch.float16, "hf"), (torch.float32, "fused")],
                          ids=lambda v: str(v).removeprefix("torch."))
-@pytest.mark.parametrize("tokens", [1, 5, 2000])
+@pytest.mark.parametrize("tokens", [1, 5, 2500])
 def test_padded_lane_groups(impl, head_dim, dtype, rounding, tokens):
     require(impl)
     inputs = contract.make_inputs(tokens, 8, 1, head_dim, dtype, "cuda", seed=head_dim + tokens, fused_qkv=True,
@@ -101,98 +98,66 @@ def test_padded_lane_groups(impl, head_dim, dtype, rounding, tokens):
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
-@pytest.mark.parametrize("weights", ["misaligned", "float32"])
-def test_padded_lane_groups_weight_layouts(impl, weights):
-    """The one-trip kernel's weight loads at a padded head: vectors, or elements off 16 bytes."""
+def test_rows_off_16_bytes(impl):
+    """q and k whose rows do not start on 16-byte boundaries take the general path."""
     require(impl)
-    inputs = contract.make_inputs(3, 16, 4, 96, torch.bfloat16, "cuda", seed=7, fused_qkv=True)
-    dtype = torch.float32 if weights == "float32" else torch.bfloat16
-    for name in ("q_weight", "k_weight"):
-        w = inputs[name].to(dtype)
-        if weights == "misaligned":
-            buffer = torch.empty(w.numel() + 1, dtype=dtype, device="cuda")
-            buffer[1:].copy_(w)
-            w = buffer[1:]
-        inputs[name] = w
-    run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=1.0, rounding="hf")
+    qkv = torch.randn(64, 1 + 12 * 128, dtype=torch.bfloat16, device="cuda")
+    q = qkv[:, 1 : 1 + 8 * 128].view(64, 8, 128)
+    k = qkv[:, 1 + 8 * 128 : 1 + 10 * 128].view(64, 2, 128)
+    w = torch.rand(128, dtype=torch.bfloat16, device="cuda") + 0.5
+    run_and_compare(OP, impl, dict(q=q, k=k, q_weight=w, k_weight=w.clone()), eps=1e-6, weight_offset=0.0,
+                    rounding="fused")
 
 
-@pytest.mark.parametrize("version, head_dim, tokens, kernel", [
-    (10, 96, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 96,"), (10, 96, 2000, "qk_norm_v3_kernel<__nv_bfloat16, 96,"),
-    (10, 160, 2000, "qk_norm_v3_kernel<__nv_bfloat16, 160,"), (9, 96, 1, "qk_norm_v2_kernel"),
-    (10, 112, 1, "qk_norm_v2_kernel")])
-def test_padded_dispatch(version, head_dim, tokens, kernel):
-    """v10 runs the vector kernels at the padded head_dims it compiles; v9, and v10 at others (112
-    is 14 vectors, not compiled), keep v2's general path."""
-    from cookbook import cuda
-
-    cuda.load(OP)
-    x = contract.make_inputs(tokens, 8, 1, head_dim, torch.bfloat16, "cuda", seed=3, fused_qkv=True)
-    names = launched_kernels(lambda: cuda.qk_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused",
-                                                  version=version))
-    assert any(kernel in name for name in names), names
+TUNED_KERNEL = "qk_norm_tuned_kernel<__nv_bfloat16, "
+WARM = "(cookbook::qk_norm::tuned::Warm)"
+LOAD = "(cookbook::qk_norm::tuned::WeightLoad)"
 
 
-@pytest.mark.parametrize("version, tokens, kernel", [
-    (11, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128,"), (10, 8192, "qk_norm_v3_kernel<__nv_bfloat16, 128,"),
-    (11, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128,"),
-    (12, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false, 1>"),
-    (12, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false, 1>"),
-    (11, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, false, false, 1>"),
-    (13, 1, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false, 1>"),
-    (13, 8192, "qk_norm_one_trip_kernel<__nv_bfloat16, 128, false, true, true, false, 1>")])
-def test_grid_of_all_rows_dispatch(version, tokens, kernel):
-    """v11 runs the one-trip kernel at every size; v10 only where the rows fit in one trip of its
-    persistent grid (8192 tokens x 72 heads walk it several times); v12 is v11's kernel with the
-    weights warmed, at every size; v13 keeps it at one wave and at many (35 waves here)."""
-    from cookbook import cuda
-
-    cuda.load(OP)
-    x = contract.make_inputs(tokens, 64, 8, 128, torch.bfloat16, "cuda", seed=3, fused_qkv=True)
-    names = launched_kernels(lambda: cuda.qk_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused",
-                                                  version=version))
-    assert any(kernel in name for name in names), names
-
-
-# v13 warms the row a wave ahead (the kernel's last template argument) in calls of two to
-# kV13MaxWaves (8) waves: 8193 tokens x 8/1 heads is 4.4 waves of 16-row blocks on a 132-SM
-# H100/H200, 2049 x 16/4 heads of 256 (8-row blocks) 4.9; 8192 x 64/8 is 35 waves and 64 tokens
-# less than one. Odd token counts, zero rows at eps=0, float32 weights, both roundings.
-@pytest.mark.parametrize("shape, ahead", [((8193, 8, 1, 128), True), ((2049, 16, 4, 256), True),
-                                          ((8192, 64, 8, 128), False), ((64, 64, 8, 128), False)],
-                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_v13_rows_ahead(shape, ahead):
-    def make(seed, weight_dtype):
-        return contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=seed, fused_qkv=True, kind="zero_rows",
-                                    weight_dtype=weight_dtype)
-
-    def picked(names):  # the one-trip kernel with the weights warmed, its kWarmAhead flag as expected
-        trip = [n for n in names if "qk_norm_one_trip_kernel" in n]
-        return len(trip) == 1 and trip[0].split(">(")[0].endswith(f"true, true, {str(ahead).lower()}, 1")
-
-    check_dispatch(OP, 13, make, picked)
-
-
-# v14 takes two vectors per lane (the kernel's last template argument) from one wave of v13's
-# blocks up (16896 rows of 128 or 96 elements, 8448 of 256, on a 132-SM H100/H200) and warms the
-# row a wave of its own blocks ahead at two to eight of those waves (21120 rows of 128: 8193 x
-# 8/1 heads is 3.5, 2049 x 16/4 heads of 256 3.9); 256 tokens x 64/8 (18432 rows) and 2048 x 8/1
-# heads of 96 take two vectors in less than one of their waves, 64 tokens and 1024 x 8/1 heads of
-# 96 (9216 rows) keep one. Odd token counts, zero rows at eps=0, float32 weights, both roundings.
-@pytest.mark.parametrize("shape, vectors, ahead", [
+# The tuned kernel's policy (kernels_cuda/qk_norm/tuned.cuh): two vectors per lane from one wave
+# of one-vector blocks up (16896 rows of 128 or 96 bf16 elements on a 132-SM H100/H200), and the
+# next wave warmed at two to eight waves of the blocks launched. Shapes far from the edges:
+# 8193 x 9 heads of 128 is about 3 waves of two-vector blocks, 8192 x 72 heads over 20 of them,
+# 256 x 72 heads two vectors in less than one of their waves, 64 tokens and 1024 x 9 heads of 96
+# less than a wave of one-vector blocks.
+@pytest.mark.parametrize("shape, vectors, warm_next_wave", [
     ((8193, 8, 1, 128), 2, True), ((2049, 16, 4, 256), 2, True), ((8192, 64, 8, 128), 2, False),
     ((256, 64, 8, 128), 2, False), ((2048, 8, 1, 96), 2, False), ((1024, 8, 1, 96), 1, False),
     ((64, 64, 8, 128), 1, False)], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_v14_dispatch(shape, vectors, ahead):
+def test_tuned_policy(shape, vectors, warm_next_wave):
     def make(seed, weight_dtype):
         return contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=seed, fused_qkv=True, kind="zero_rows",
                                     weight_dtype=weight_dtype)
 
-    def picked(names):  # the one-trip kernel, weights warmed, its kWarmAhead and vectors per lane as expected
-        trip = [n for n in names if "qk_norm_one_trip_kernel" in n]
-        return len(trip) == 1 and trip[0].split(">(")[0].endswith(f"true, true, {str(ahead).lower()}, {vectors}")
+    def picked(names):
+        tuned = [name for name in names if TUNED_KERNEL in name]
+        return len(tuned) == 1 and f", {vectors}, {WARM}{int(warm_next_wave)}, {LOAD}1>" in tuned[0]
 
-    check_dispatch(OP, 14, make, picked)
+    check_dispatch(OP, "cuda_tuned", make, picked)
+
+
+def test_tuned_loads_misaligned_weights_element_by_element():
+    from cookbook import cuda
+
+    impl = registry.get(OP, "cuda_tuned")
+    cuda.load_extension(impl.extension)
+    x = _weights_laid_out(contract.make_inputs(5, 16, 4, 128, torch.bfloat16, "cuda", seed=1), "misaligned")
+    names = launched_kernels(lambda: impl.fn(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused"))
+    assert any(TUNED_KERNEL in name and f"{LOAD}0>" in name for name in names), names
+
+
+@pytest.mark.parametrize("head_dim, kernel", [(96, TUNED_KERNEL + "(cookbook::Rounding)0, 96,"),
+                                              (112, "qk_norm_v2_kernel")])
+def test_tuned_head_dims(head_dim, kernel):
+    """The tuned kernel runs the padded head_dims it compiles on the vector path; others (112 is 14
+    vectors) run rung 2's warp per row."""
+    from cookbook import cuda
+
+    impl = registry.get(OP, "cuda_tuned")
+    cuda.load_extension(impl.extension)
+    x = contract.make_inputs(5, 8, 1, head_dim, torch.bfloat16, "cuda", seed=3, fused_qkv=True)
+    names = launched_kernels(lambda: impl.fn(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused"))
+    assert any(kernel in name for name in names), names
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
@@ -200,7 +165,7 @@ def test_token_stride_beyond_int32(impl):
     """A row stride over 2^31 elements must not overflow the kernels' index arithmetic."""
     require(impl)
     heads, head_dim = 2, 64
-    stride = 2**31 + 8 * head_dim  # elements; keeps 16-byte alignment so v3 takes its vector path
+    stride = 2**31 + 8 * head_dim  # elements; keeps 16-byte alignment so the vector paths run
     try:
         storage = torch.zeros(stride + heads * head_dim, dtype=torch.bfloat16, device="cuda")
     except torch.OutOfMemoryError:
@@ -246,35 +211,33 @@ def test_cuda_graph_capture_and_replay():
     assert torch.equal(static["q"], expected["q"]) and torch.equal(static["k"], expected["k"])
 
 
-def test_opcheck():
+@pytest.mark.parametrize("impl", COMPILED)
+def test_opcheck(impl):
     from cookbook import cuda
 
-    cuda.load(OP)
+    op = cuda.load_extension(impl.extension)
     inputs = contract.make_inputs(16, 4, 2, 128, torch.bfloat16, "cuda", seed=4)
-    args = (inputs["q"], inputs["k"], inputs["q_weight"], inputs["k_weight"], 1e-6, 0.0, False, 3)
-    torch.library.opcheck(torch.ops.cookbook.qk_norm.default, args)
+    args = (inputs["q"], inputs["k"], inputs["q_weight"], inputs["k_weight"], 1e-6, 0.0, False)
+    torch.library.opcheck(op.default, args)
 
 
-def test_auto_backend_is_the_last_cuda_version():
-    assert registry.resolve(OP, "auto", "cuda") is registry.latest(OP, "cuda")
+def test_auto_and_cuda_run_the_tuned_kernel():
+    tuned = registry.get(OP, "cuda_tuned")
+    assert registry.resolve(OP, "auto", "cuda") is tuned and registry.resolve(OP, "cuda", "cuda") is tuned
 
 
 SANITIZED = """
-import torch, cookbook, cookbook.cuda
+import torch, cookbook
 from cookbook import registry
 from cookbook.ops import qk_norm as contract
-for version in [impl.version for impl in registry.implementations("qk_norm", ("cuda",))]:
-    # 800 tokens x 40 heads: more rows than a persistent grid holds, so the row walks take
-    # several steps and stop at the last row.
-    # 500 tokens x 40 heads: one to two trips of v6's grid (v7's two rows per lane group on an H100/H200).
-    for tokens, fused in ((5, False), (5, True), (500, True), (800, True)):
-        x = contract.make_inputs(tokens, 32, 8, 128, torch.bfloat16, "cuda", seed=version, fused_qkv=fused)
-        cookbook.cuda.qk_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
-x = contract.make_inputs(3, 2, 1, 96, torch.float16, "cuda", fused_qkv=True)
-cookbook.qk_norm(**x, backend="cuda", rounding="hf")
-for tokens in (3, 2000):  # v10's padded lane groups: the one-trip kernel, then the persistent loop
-    x = contract.make_inputs(tokens, 8, 1, 96, torch.bfloat16, "cuda", fused_qkv=True)
-    cookbook.qk_norm(**x, backend="cuda")
+for impl in registry.implementations("qk_norm", registry.COMPILED_LEVELS):
+    # one block, a wave, several waves with the next one warmed (3001 x 9 heads), fused-qkv views
+    for tokens, heads, fused in ((5, (32, 8), False), (5, (32, 8), True), (500, (32, 8), True), (3001, (8, 1), True)):
+        x = contract.make_inputs(tokens, *heads, 128, torch.bfloat16, "cuda", seed=tokens, fused_qkv=fused)
+        impl.fn(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused")
+    for tokens in (3, 2000):  # padded lane groups
+        x = contract.make_inputs(tokens, 8, 1, 96, torch.float16, "cuda", fused_qkv=True)
+        impl.fn(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 1.0, "hf")
 torch.cuda.synchronize()
 print("sanitized run done")
 """
@@ -284,7 +247,7 @@ print("sanitized run done")
 def test_compute_sanitizer_memcheck():
     from cookbook import cuda
 
-    cuda.load(OP)  # build outside the sanitizer (much faster), the child reuses the cache
+    cuda.build([impl.extension for impl in registry.implementations(OP, registry.COMPILED_LEVELS)])  # outside the sanitizer
     run = subprocess.run(
         ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", sys.executable, "-c", SANITIZED],
         capture_output=True, text=True, timeout=600,

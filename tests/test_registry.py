@@ -26,3 +26,19 @@ def test_names_are_unique_and_contracts_exist(op):
     contract = registry.contract(op)
     for attr in ("check_inputs", "reference", "expected", "make_inputs", "TOLERANCES", "bytes_moved", "BENCH_SHAPES"):
         assert hasattr(contract, attr), f"{op}: the contract module lacks {attr}"
+
+
+@pytest.mark.parametrize("op", registry.ops())
+def test_backend_cuda_runs_the_tuned_kernel_where_there_is_one(op):
+    tuned = registry.implementations(op, ("tuned",))
+    assert len(tuned) <= 1
+    assert registry.fastest(op) is (tuned[0] if tuned else registry.latest(op, "cuda"))
+
+
+def test_qk_norm_is_a_short_ladder_and_one_tuned_kernel():
+    """Each rung and the tuned kernel is its own kernel file and its own extension."""
+    rungs = registry.implementations("qk_norm", ("cuda",))
+    assert 5 <= len(rungs) <= 8
+    (tuned,) = registry.implementations("qk_norm", ("tuned",))
+    extensions = [impl.extension.name for impl in rungs + [tuned]]
+    assert len(set(extensions)) == len(extensions) and all(impl.kernel for impl in rungs + [tuned])
