@@ -1,5 +1,5 @@
 """GPU probe (`python tools/layout_probe.py [cross_head_norm|qk_norm]`; results in
-docs/cross_head_norm.md and docs/qk_norm.md): the op's latest CUDA C version with q and k as views
+docs/cross_head_norm.md and docs/qk_norm.md): the op's fastest CUDA C kernel (`backend="cuda"`) with q and k as views
 of one fused qkv tensor (the bench's layout: for cross_head_norm at 8192 a q row of 16 KB in
 every 48 KB, for qk_norm at 8/1 heads q's 2 KB and k's 256 bytes in every 2.5 KB) against q and k
 as separate contiguous tensors, alternating twice per shape. Timed with the bench's machinery
@@ -29,7 +29,7 @@ CASES = {
 
 op = sys.argv[1] if len(sys.argv) > 1 else "cross_head_norm"
 shapes, make, bytes_moved = CASES[op]
-impl = registry.latest(op, "cuda")
+impl = registry.fastest(op)
 ref = bench.copy_bandwidth_gb_per_s()
 print(f"{op} {impl.name}; copy {ref / 1000:.3f} TB/s")
 for shape in shapes:

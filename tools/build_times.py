@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""How long a new user waits for an op's CUDA C kernels, from an empty build cache (GPU machine).
+
+    python tools/build_times.py qk_norm
+
+Two fresh processes, each with its own empty cache: (1) the first `backend="auto"` call, timed
+from before `import cookbook` to the synchronized result (it builds the tuned kernel only);
+(2) the whole op, every rung and the tuned kernel, built in parallel (what the benchmark does
+first). Writes docs/results/<op>_<gpu>_builds.{md,json}: wall seconds, each extension's seconds,
+the machine's cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FIRST_CALL = """
+import json, time
+start = time.perf_counter()
+import torch, cookbook
+from cookbook import cuda, registry
+x = registry.contract({op!r}).bench_case(registry.contract({op!r}).BENCH_SHAPES[0], torch.bfloat16, "cuda")[0]
+getattr(cookbook, {op!r})(**x, backend="auto")
+torch.cuda.synchronize()
+print(json.dumps({{"seconds": time.perf_counter() - start,
+                  "builds": {{n: r.seconds for n, r in cuda.BUILDS.items()}}}}))
+"""
+
+WHOLE_OP = """
+import json, time
+import torch
+from cookbook import cuda, registry
+extensions = [impl.extension for impl in registry.implementations({op!r}) if impl.extension is not None]
+start = time.perf_counter()
+results = cuda.build(extensions)
+failed = {{n: str(r) for n, r in results.items() if isinstance(r, Exception)}}
+print(json.dumps({{"seconds": time.perf_counter() - start, "failed": failed,
+                  "builds": {{n: r.seconds for n, r in cuda.BUILDS.items()}}}}))
+"""
+
+
+def fresh_run(script: str) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "COOKBOOK_BUILD_DIR": cache, "PYTHONPATH": str(ROOT)}
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
+    if run.returncode != 0:
+        raise RuntimeError(run.stderr[-3000:])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from cookbook import bench
+
+    argv = sys.argv[1:] if argv is None else argv
+    op = argv[0] if argv else "qk_norm"
+    first = fresh_run(FIRST_CALL.format(op=op))
+    whole = fresh_run(WHOLE_OP.format(op=op))
+    meta = bench.metadata(shlex.join(["python", "tools/build_times.py", op]), 0.0, torch.bfloat16)
+    meta.update(cpu_cores=os.cpu_count())
+    rows = [["first `backend=\"auto\"` call (import to result)", f"{first['seconds']:.1f}",
+             ", ".join(f"{n} {s:.1f} s" for n, s in first["builds"].items())],
+            ["the whole op, every extension in parallel", f"{whole['seconds']:.1f}",
+             ", ".join(f"{n} {s:.1f} s" for n, s in whole["builds"].items())]]
+    table = bench.markdown_table(["empty build cache", "wall seconds", "each extension (wall, in parallel)"], rows)
+    stem = f"{op}_{meta['gpu_slug']}_builds"
+    page = [f"# {op}: build times from an empty cache, {meta['gpu']} host ({meta['cpu_cores']} cores)", "",
+            "Written by `tools/build_times.py`: do not edit by hand, run the command again.", "",
+            f"- date: {meta['date']}; commit: {meta['commit']}; torch {meta['torch']}, CUDA {meta['cuda']}",
+            f"- command: `{meta['command']}`", "", table, ""]
+    if whole["failed"]:
+        page += ["Failed builds:", "", *[f"- {n}: {e[:300]}" for n, e in whole["failed"].items()], ""]
+    results = ROOT / "docs" / "results"
+    (results / f"{stem}.md").write_text("\n".join(page))
+    (results / f"{stem}.json").write_text(json.dumps({"metadata": meta, "first_call": first, "whole_op": whole}, indent=1))
+    print(table)
+    return 1 if whole["failed"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

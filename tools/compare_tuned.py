@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Old against new in one run on one GPU: qk_norm's tuned kernel against the fastest version of
+an earlier commit, at every bench shape, with the benchmark's own timing.
+
+    git archive <commit> kernels_cuda | tar -x -C /tmp/old        # the earlier commit's kernels
+    python tools/compare_tuned.py --old-kernels /tmp/old/kernels_cuda --old-commit <commit> --old-version 14
+
+The earlier commit's kernels (the older layout: every version in one header, `bindings/qk_norm.cu`
+registering `torch.ops.cookbook.qk_norm(..., version)`) are built as their own extension beside
+this checkout's; both are checked against the contract, then timed in the order old, new, new, old
+at every shape (the two timings of each show the run's noise). Writes
+docs/results/qk_norm_<gpu>_tuned_vs_<commit>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cookbook import bench, cuda, registry  # noqa: E402
+from cookbook.bench import sweep  # noqa: E402
+
+OP = "qk_norm"
+ORDER = ("old", "new", "new", "old")  # each timed twice, interleaved
+
+
+@dataclass
+class Candidate:
+    """Duck-types a registry implementation for the bench (name, level, version, fn)."""
+
+    name: str
+    level: str
+    version: int
+    fn: object
+
+
+def old_candidate(kernels: Path, commit: str, version: int) -> Candidate:
+    from torch.utils import cpp_extension
+
+    directory = Path(cuda._build_root()) / f"qk_norm-old-{commit}"
+    directory.mkdir(parents=True, exist_ok=True)
+    with cuda._build_environment(jobs=None), cuda._build_lock(directory):
+        cpp_extension.load(name=f"cookbook_qk_norm_{commit}", sources=[str(kernels / "bindings" / "qk_norm.cu")],
+                           extra_include_paths=[str(kernels)], extra_cflags=cuda.CXX_FLAGS,
+                           extra_cuda_cflags=cuda.CUDA_FLAGS, build_directory=str(directory), is_python_module=False)
+
+    def run(q, k, q_weight, k_weight, eps, weight_offset, rounding):
+        torch.ops.cookbook.qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding == "hf", version)
+
+    return Candidate(f"cuda_v{version}@{commit}", "cuda", version, run)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old-kernels", type=Path, required=True, help="the earlier commit's kernels_cuda/")
+    parser.add_argument("--old-commit", required=True)
+    parser.add_argument("--old-version", type=int, required=True, help="its fastest CUDA C version")
+    parser.add_argument("--results-dir", type=Path, default=bench.REPO_ROOT / "docs" / "results")
+    args = parser.parse_args(argv)
+    command = shlex.join(["python", "tools/compare_tuned.py", *(argv if argv is not None else sys.argv[1:])])
+
+    tuned = registry.get(OP, "cuda_tuned")
+    cuda.build([tuned.extension])
+    old = old_candidate(args.old_kernels.resolve(), args.old_commit, args.old_version)
+    new = Candidate(tuned.name, tuned.level, tuned.version, tuned.fn)
+    contract = registry.contract(OP)
+    copy_gb_per_s = bench.copy_bandwidth_gb_per_s()
+    progress = bench.Progress(len(contract.BENCH_SHAPES) * len(ORDER))
+    rows = []
+    for shape in contract.BENCH_SHAPES:
+        case = bench.prepare_shape(OP, contract, shape, bench.DEFAULT_DTYPE)
+        timed = []
+        for which in ORDER:
+            candidate = old if which == "old" else new
+            progress.begin(f"{case.base_row['label']} {candidate.name}")
+            timed.append((which, sweep.bench_impl(case, candidate, copy_gb_per_s, None, progress)))
+            progress.end()
+        medians = {which: [row["median_us"] for w, row in timed if w == which] for which in ("old", "new")}
+        if None in medians["old"] + medians["new"]:
+            print(f"!! {case.base_row['label']}: a candidate failed: {[row['agreement'] or row['error'] for _, row in timed]}")
+            return 1
+        old_us, new_us = min(medians["old"]), min(medians["new"])
+        rows.append(dict(label=case.base_row["label"], shape=list(shape), old_us=medians["old"], new_us=medians["new"],
+                         ratio=new_us / old_us, old_pct=timed[0][1]["pct_of_copy"], new_pct=timed[1][1]["pct_of_copy"]))
+        torch.cuda.empty_cache()
+    progress.close()
+    meta = bench.metadata(command, copy_gb_per_s, bench.DEFAULT_DTYPE)
+    meta["old"] = {"commit": args.old_commit, "implementation": old.name}
+    write(rows, meta, args.results_dir, old.name)
+    return 0
+
+
+def write(rows, meta, results_dir: Path, old_name: str) -> None:
+    body = [[r["label"], " / ".join(f"{us:.2f}" for us in r["old_us"]), " / ".join(f"{us:.2f}" for us in r["new_us"]),
+             f"{r['ratio']:.3f}", f"{r['old_pct']:.1f} %", f"{r['new_pct']:.1f} %"] for r in rows]
+    table = bench.markdown_table(["shape", f"{old_name} us (1st / 2nd)", "cuda_tuned us (1st / 2nd)",
+                                  "best new / best old", "old % of copy", "new % of copy"], body)
+    stem = f"{OP}_{meta['gpu_slug']}_tuned_vs_{meta['old']['commit']}"
+    page = [f"# qk_norm: the tuned kernel against {old_name}, one run, {meta['gpu']}", "",
+            "Written by `tools/compare_tuned.py`: do not edit by hand, run the command again.", "",
+            f"- GPU: {meta['gpu']}; torch {meta['torch']}, CUDA {meta['cuda']}",
+            f"- date: {meta['date']}; commit: {meta['commit']}; old: {meta['old']['commit']}",
+            f"- command: `{meta['command']}`",
+            f"- timing: {meta['timing']}; each candidate timed twice, in the order old, new, new, old",
+            f"- device-to-device copy: {meta['copy_tb_per_s']:.2f} TB/s", "", table, ""]
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"{stem}.md").write_text("\n".join(page))
+    (results_dir / f"{stem}.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
+    print(table)
+    print(f"wrote {results_dir / (stem + '.md')}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
