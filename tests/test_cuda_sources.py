@@ -112,14 +112,14 @@ def _docs_versions():
 
 @needs_nvcc
 @pytest.mark.nvcc
-@pytest.mark.parametrize("op", CUDA_OPS)
+@pytest.mark.parametrize("op", CUDA_OPS + LADDER_OPS)
 def test_docs_tables_match_the_generator(op):
-    """Each op page's versions table (and cross_head_norm's occupancy table) is exactly what
-    tools/docs_versions.py prints now: leads, registers and spills cannot drift from the sources."""
+    """Each op page's generated tables (the ladder and results tables of an op in the ladder layout,
+    the versions table of the older layout, cross_head_norm's occupancy table) are exactly what
+    tools/docs_versions.py prints now: leads, registers and recorded times cannot drift."""
     tools = _docs_versions()
     page = (nvcc_report.KERNEL_DIR.parent / "docs" / f"{op}.md").read_text()
-    generated = [tools.table(op)] + ([tools.occupancy_table(op)] if op == "cross_head_norm" else [])
-    stale = [line for text in generated for line in text.splitlines() if line.strip() and line not in page]
+    stale = [line for text in tools.tables(op) for line in text.splitlines() if line.strip() and line not in page]
     assert not stale, f"docs/{op}.md: rerun `python tools/docs_versions.py {op}` and paste; stale: {stale[:3]}"
 
 

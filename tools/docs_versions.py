@@ -1,7 +1,13 @@
 #!/usr/bin/env python3
-"""Print the versions table of an op's docs page, from the registry and nvcc's resource report.
+"""Print the generated tables of an op's docs page, from the registry, nvcc's resource report and
+the recorded sweep (docs/results/<op>_h200.json).
 
     python tools/docs_versions.py qk_norm        # paste the output into docs/qk_norm.md
+
+An op in the ladder layout (qk_norm) gets two tables: the ladder (each rung and the tuned kernel:
+its lead, registers, and its time and percent of the copy at the headline shapes) and the results
+at every bench shape (the tuned kernel against `torch.compile` and the peers the sweep timed).
+An op in the older layout gets its versions table:
 
 One row per registered implementation (name, level, version, lead); CUDA C rows add the
 registers and spill bytes ptxas reports for the bf16 kernels (fused rounding; for the head_dim
@@ -16,6 +22,7 @@ the registers and shared memory ptxas reports, and the theoretical occupancy tho
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -27,6 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cookbook import nvcc_report, registry  # noqa: E402
 
 HEAD_DIM = "128"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "docs" / "results"
+RECORDED_GPU = "h200"  # the sweep the docs quote
+# The ladder table's columns: the shapes (bench labels) that show each rung's effect.
+HEADLINE_SHAPES = {"qk_norm": ["T=1 Hq=64 Hk=8 D=128", "T=1024 Hq=64 Hk=8 D=128", "T=8192 Hq=64 Hk=8 D=128",
+                               "T=8192 Hq=8 Hk=1 D=128"]}
 # Ops whose integer template argument is 16-byte vectors per thread, not head_dim.
 VECTORS_PER_THREAD_OPS = {"cross_head_norm"}
 
@@ -166,6 +178,91 @@ def table(op: str) -> str:
         lines.append(f"| `{impl.name}` | {impl.level} | {impl.version or '-'} | {impl.lead} | {regs} |")
     lines += ["", f"({note}; `backend=\"cuda\"` runs `{registry.latest(op, 'cuda').name}`.)"]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# The ladder layout: the ladder table and the results table, from the recorded sweep.
+# --------------------------------------------------------------------------------------------
+def recorded_rows(op: str) -> tuple[dict, dict]:
+    """({(impl, label): row}, metadata) of docs/results/<op>_<gpu>.json ({} where there is none)."""
+    path = RESULTS_DIR / f"{op}_{RECORDED_GPU}.json"
+    if not path.exists():
+        return {}, {}
+    data = json.loads(path.read_text())
+    return {(row["impl"], row["label"]): row for row in data["rows"]}, data["metadata"]
+
+
+def _time_cell(row) -> str:
+    if row is None or row.get("median_us") is None:
+        return "-"
+    return f"{row['median_us']:.2f} us, {row['pct_of_copy']:.0f} %"
+
+
+def extension_registers(op: str) -> dict[str, str]:
+    """{implementation: registers of its bf16 fused-rounding kernels at head_dim 128}, or {} without nvcc."""
+    if nvcc_report.nvcc() is None:
+        return {}
+    found = {}
+    for impl in registry.implementations(op, registry.COMPILED_LEVELS):
+        kernels = nvcc_report.compile_extension(impl.extension.name)
+        picked = [k for k in kernels if "<__nv_bfloat16, (cookbook::Rounding)0" in k.kernel
+                  and (", 128" in k.kernel or "_v1_" in k.kernel or "_v2_" in k.kernel)]
+        if impl.level == "tuned":  # one cell per vectors per lane: its kernels warming the next wave or not
+            by_vectors = {}
+            for k in picked:
+                vectors = k.kernel.split(", 128, ")[1].split(",")[0]
+                by_vectors.setdefault(vectors, set()).add(k.registers)
+            found[impl.name] = "; ".join(f"{min(r)}-{max(r)} ({v} vector{'s' if v != '1' else ''} per lane)"
+                                         for v, r in sorted(by_vectors.items()))
+        else:
+            found[impl.name] = ", ".join(sorted({str(k.registers) for k in picked if "v2_kernel" not in k.kernel
+                                                 or impl.version == 2}))
+    return found
+
+
+def ladder_table(op: str) -> str:
+    rows, meta = recorded_rows(op)
+    shapes = HEADLINE_SHAPES[op]
+    registers = extension_registers(op)
+    lines = [f"| rung | what it changes, and which bottleneck it removes | registers | {' | '.join(shapes)} |",
+             "|---|---|---|" + "---|" * len(shapes)]
+    for impl in registry.implementations(op, ("reference",) + registry.COMPILED_LEVELS):
+        rung = f"v{impl.version}" if impl.level == "cuda" else impl.name.removeprefix("cuda_")
+        cells = [_time_cell(rows.get((impl.name, shape))) for shape in shapes]
+        lines.append(f"| {rung} | {impl.lead} | {registers.get(impl.name, '-')} | {' | '.join(cells)} |")
+    when = f"{meta['gpu']}, {meta['date'][:10]}, commit {meta['commit']}" if meta else "no recorded sweep"
+    lines += ["", f"(time per call and percent of the device copy: {when}, bf16, fused rounding; registers: ptxas for "
+                  f"{nvcc_report.DEFAULT_ARCH}, bf16, fused rounding, head_dim {HEAD_DIM} where specialized.)"]
+    return "\n".join(lines)
+
+
+def results_table(op: str) -> str:
+    rows, meta = recorded_rows(op)
+    ours = registry.fastest(op).name
+    others = [impl.name for impl in registry.implementations(op, ("peer",))]
+    labels = list(dict.fromkeys(label for _, label in rows))
+    header = ["shape", f"{ours}", *others]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label in labels:
+        mine = rows.get((ours, label))
+        cells = [_time_cell(mine)]
+        for other in others:
+            row = rows.get((other, label))
+            if row is None or row.get("median_us") is None or mine is None or mine.get("median_us") is None:
+                cells.append("-")
+            else:
+                cells.append(f"{row['median_us']:.2f} us ({row['median_us'] / mine['median_us']:.2f}x ours)")
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    when = f"{meta['gpu']}, {meta['date'][:10]}, commit {meta['commit']}" if meta else "no recorded sweep"
+    lines += ["", f"({when}; bf16, fused rounding; q and k as views of one fused qkv tensor.)"]
+    return "\n".join(lines)
+
+
+def tables(op: str) -> list[str]:
+    """The generated tables of an op's page."""
+    if any(impl.extension is not None for impl in registry.implementations(op)):
+        return [ladder_table(op), results_table(op)]
+    return [table(op)] + ([occupancy_table(op)] if op == "cross_head_norm" else [])
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,7 +421,7 @@ def main(argv=None) -> int:
             print(occupancy_table(op))
         return 0
     for op in args:
-        print(table(op))
+        print("\n\n".join(tables(op)))
     return 0
 
 
