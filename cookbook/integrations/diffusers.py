@@ -55,11 +55,12 @@ ATTENTION_CLASS, PROCESSOR_CLASS = "FluxAttention", "FluxAttnProcessor"
 PATCH_ATTRIBUTE = "_cookbook_fused_patch"
 SPEC = dict(op="qk_norm_rope", rounding="fused", weight_offset=0.0)
 
-# The middle rounding FLUX does and we skip moves a rotated value by at most about one ulp (half
-# an ulp of each of the two inputs of a rotation, then the final rounding): allow 2.
+# The middle rounding FLUX does and we skip moves a rotated value by at most half an ulp of each
+# input of the rotation plus the two final roundings: under 2 ulp of the pair's magnitude.
 PROBE_MAX_ULP = 2.0
 PROBE_TEXT_TOKENS, PROBE_IMAGE_TOKENS = 4, 8
 PROBE_ROPE_BASE = 10000.0
+PROBE_MAX_POSITION = 4096
 PROBE_WEIGHT_SPREAD = 0.25
 PROBE_SEED = 0
 
@@ -138,51 +139,66 @@ def flux_cos_sin_cache(image_rotary_emb, tokens: int, where: str) -> torch.Tenso
 # --------------------------------------------------------------------------------------------
 # Patch-time checks.
 # --------------------------------------------------------------------------------------------
-def probe(attn, where: str) -> None:
-    """The model's own norms and rotary embedding against `qk_norm_rope` on a small random input
-    (CPU, reference backend, bfloat16): every element within PROBE_MAX_ULP, or LayoutError."""
+def section_comparisons(attn, *, device="cpu", backend="reference", dtype=torch.bfloat16, heads=2,
+                        text_tokens=PROBE_TEXT_TOKENS, image_tokens=PROBE_IMAGE_TOKENS, own_weights=False) -> dict:
+    """{"q": Comparison, "k": Comparison}: the module's own norms and diffusers' rotary embedding
+    against our `norm_and_rope`, on random q and k of the joined ``[text | image]`` layout.
+
+    The norms are copies (in `dtype`, on `device`), with random weights unless `own_weights`."""
     from diffusers.models.embeddings import apply_rotary_emb
 
-    dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(PROBE_SEED)
     norms = {}
     for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
         if getattr(attn, name, None) is None:
             continue
-        norm = copy.deepcopy(getattr(attn, name)).to("cpu", dtype)
-        with torch.no_grad():
-            norm.weight.copy_(1.0 + PROBE_WEIGHT_SPREAD * torch.randn(norm.weight.shape, generator=gen))
+        norm = copy.deepcopy(getattr(attn, name)).to(device, dtype)
+        if not own_weights:
+            with torch.no_grad():
+                norm.weight.copy_(1.0 + PROBE_WEIGHT_SPREAD * torch.randn(norm.weight.shape, generator=gen))
         norms[name] = norm
     joint = "norm_added_q" in norms
-    text_len = PROBE_TEXT_TOKENS if joint else 0
-    tokens, heads = text_len + PROBE_IMAGE_TOKENS, 2
+    text_len = text_tokens if joint else 0
+    tokens = text_len + image_tokens
     head_dim = norms["norm_q"].weight.numel()
-    q = torch.randn(1, tokens, heads, head_dim, generator=gen).to(dtype)
-    k = torch.randn(1, tokens, heads, head_dim, generator=gen).to(dtype)
+    q, k = (torch.randn(2, tokens, heads, head_dim, generator=gen).to(device, dtype) for _ in range(2))
     inv_freq = PROBE_ROPE_BASE ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.rand(tokens, 1, dtype=torch.float64, generator=gen) * 4096 * inv_freq
-    rope = (angles.cos().repeat_interleave(2, dim=1).float(), angles.sin().repeat_interleave(2, dim=1).float())
+    angles = torch.rand(tokens, 1, dtype=torch.float64, generator=gen) * PROBE_MAX_POSITION * inv_freq
+    rope = tuple(f(angles).repeat_interleave(2, dim=1).float().to(device) for f in (torch.cos, torch.sin))
 
-    def theirs(x, image_norm, text_norm):
-        parts = [norms[image_norm](x[:, text_len:])]
-        if joint:
-            parts.insert(0, norms[text_norm](x[:, :text_len]))
-        return apply_rotary_emb(torch.cat(parts, dim=1), rope, sequence_dim=1)
-
-    section = FusedFluxAttnProcessor(None, "reference", where)
+    streams = [(slice(text_len, None), "norm_q", "norm_k", text_len)]
+    if joint:
+        streams.insert(0, (slice(0, text_len), "norm_added_q", "norm_added_k", 0))
+    section = FusedFluxAttnProcessor(None, backend, "section check")
+    cache = flux_cos_sin_cache(rope, tokens, "section check")
     with torch.no_grad():
-        want = theirs(q, "norm_q", "norm_added_q"), theirs(k, "norm_k", "norm_added_k")
-        got_q, got_k = q.clone(), k.clone()
-        streams = [(slice(text_len, None), "norm_q", "norm_k", text_len)]
-        if joint:
-            streams.insert(0, (slice(0, text_len), "norm_added_q", "norm_added_k", 0))
-        cache = flux_cos_sin_cache(rope, tokens, where)
+        theirs = {}
+        for name, x in (("q", q), ("k", k)):  # FLUX's order: norm each stream, join, rotate
+            parts = [norms[f"norm_{name}"](x[:, text_len:])]
+            if joint:
+                parts.insert(0, norms[f"norm_added_{name}"](x[:, :text_len]))
+            theirs[name] = apply_rotary_emb(torch.cat(parts, dim=1), rope, sequence_dim=1)
+        ours = {"q": q.clone(), "k": k.clone()}
         for part, q_name, k_name, offset in streams:
-            q_part, k_part = got_q[:, part].clone(), got_k[:, part].clone()  # one stream, as the processor sees it
+            q_part, k_part = q[:, part].clone(), k[:, part].clone()  # one stream, as the processor sees it
             section.norm_and_rope(q_part, k_part, norms[q_name], norms[k_name], cache, offset)
-            got_q[:, part], got_k[:, part] = q_part, k_part
-    for name, ours, model in (("q", got_q, want[0]), ("k", got_k, want[1])):
-        result = compare(ours, model)
+            ours["q"][:, part], ours["k"][:, part] = q_part, k_part
+    return {name: compare(ours[name], theirs[name], pair_magnitude(theirs[name])) for name in ("q", "k")}
+
+
+def pair_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """|(a, b)| of each interleaved pair, for both of its dims: the scale a rotation preserves.
+
+    FLUX rounds a and b before rotating, we do not: the two results differ by up to half an ulp of
+    each input and one rounding each, under 2 ulp of the pair's magnitude."""
+    pairs = x.double().unflatten(-1, (-1, 2))
+    return pairs.square().sum(-1, keepdim=True).sqrt().expand_as(pairs).flatten(-2)
+
+
+def probe(attn, where: str) -> None:
+    """The patch-time check: `section_comparisons` on a small random input (CPU, reference
+    backend, bfloat16); LayoutError unless every element is within PROBE_MAX_ULP."""
+    for name, result in section_comparisons(attn).items():
         if result.max_ulp > PROBE_MAX_ULP:
             raise LayoutError(
                 f"{where}: cookbook.qk_norm_rope(rounding='fused') is not within {PROBE_MAX_ULP} ulp of the model's own {name} "
