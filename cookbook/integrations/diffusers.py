@@ -50,7 +50,7 @@ from cookbook.integrations import (
 )
 
 LIBRARY = "diffusers"
-TESTED_VERSIONS = ">=0.35,<0.43"  # FluxAttention and its processor seam; the tests ran on 0.42.1
+TESTED_VERSIONS = ">=0.35,<0.43"  # FluxAttention and its processor seam; the tests ran on 0.35.2 and 0.42.1
 ATTENTION_CLASS, PROCESSOR_CLASS = "FluxAttention", "FluxAttnProcessor"
 PATCH_ATTRIBUTE = "_cookbook_fused_patch"
 SPEC = dict(op="qk_norm_rope", rounding="fused", weight_offset=0.0)
@@ -70,9 +70,13 @@ class FusedFluxAttnProcessor:
 
     def __init__(self, original, backend: str, where: str):
         self.original, self.backend, self.where = original, backend, where
-        # diffusers configures the attention kernel on the processor (set_attention_backend, context parallel)
+        # diffusers configures the attention kernel on the processor (set_attention_backend, and
+        # from 0.36 context parallelism): carry the original's settings over
         self._attention_backend = getattr(original, "_attention_backend", None)
         self._parallel_config = getattr(original, "_parallel_config", None)
+        self.dispatch_settings = {"backend": self._attention_backend}
+        if hasattr(original, "_parallel_config"):
+            self.dispatch_settings["parallel_config"] = self._parallel_config
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -90,8 +94,7 @@ class FusedFluxAttnProcessor:
         query, key, value = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
                              for parts in zip(*(qkv for qkv, _, _ in streams)))
 
-        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
-                                    parallel_config=self._parallel_config)
+        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, **self.dispatch_settings)
         out = out.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out

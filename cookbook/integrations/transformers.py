@@ -57,7 +57,7 @@ from cookbook.integrations import (
 )
 
 LIBRARY = "transformers"
-TESTED_VERSIONS = ">=4.57,<6"  # the versions the tests ran against: 4.57.6 and 5.24.0
+TESTED_VERSIONS = ">=4.53,<6"  # the tests ran on 4.53.3, 4.57.6 and 5.24.0
 ROPE_FUNCTION = "apply_rotary_pos_emb"  # the module-level function the attention forwards call
 NORM_NAMES = ("q_norm", "k_norm")
 PATCH_ATTRIBUTE = "_cookbook_fused_patch"  # on the model: what unpatch needs
@@ -172,8 +172,11 @@ def with_globals(fn, replacements: dict):
     the one whose code calls them."""
     inner = getattr(fn, "__wrapped__", None)
     if inner is None:
-        copy = types.FunctionType(fn.__code__, {**fn.__globals__, **replacements}, fn.__name__,
-                                  fn.__defaults__, fn.__closure__)
+        rebound = {**fn.__globals__, **replacements}
+        # Without a module name, torch.compile guards the globals through this dict, not through
+        # the module it would import by that name (where the names are not rebound).
+        rebound.pop("__name__", None)
+        copy = types.FunctionType(fn.__code__, rebound, fn.__name__, fn.__defaults__, fn.__closure__)
     else:
         cells = fn.__closure__ or ()
         holders = [cell for cell in cells if _cell_holds(cell, inner)]
@@ -318,7 +321,8 @@ def patch(model, *, backend: str = "auto") -> PatchReport:
     for name, module in model.named_modules():
         cls = type(module)
         if getattr(module, PATCH_ATTRIBUTE, None) is not None:
-            raise RuntimeError(f"model: {name} is already patched (a submodule was patched on its own); unpatch it first")
+            raise RuntimeError(f"model: its submodule {name} ({cls.__name__}) is already patched; unpatch the model "
+                               "that patch was applied to first")
         if cls.__name__ not in SPECS:
             if cls.__name__.endswith("Attention"):
                 skipped.append(SkippedModule(name, cls.__name__, _why_not(module)))
