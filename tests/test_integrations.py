@@ -380,5 +380,23 @@ def test_bench_smoke_on_tiny_dims(tmp_path):
         assert "timing needs CUDA" in text
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_bench_calls_repeat(family):
+    """The bench times a captured decode call over and over: each repetition must compute the
+    same thing (the KV cache's counters are put back), patched or not."""
+    model = tiny_lm(family)
+    attn = bench.timed_layer(model).self_attn
+    ids, mask = prompt(model)
+    with torch.inference_mode():
+        calls = bench.capture_calls({"attn": attn}, lambda: model.generate(
+            ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False, cache_implementation="static"))
+        decode = calls["attn"][1]
+        assert decode.kwargs["hidden_states"].shape[1] == 1
+        first = decode()[0]
+        assert all(torch.equal(decode()[0], first) for _ in range(3))
+        fused_lm.patch(model)
+        assert all(torch.equal(decode()[0], first) for _ in range(3))
+
+
 def test_public_names():
     assert set(integrations.__all__) <= set(dir(integrations))

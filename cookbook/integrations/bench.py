@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+import cookbook
 from cookbook.integrations import compare, output_parity
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -281,9 +282,13 @@ def parity_entry(parity) -> dict:
 # Timing.
 # --------------------------------------------------------------------------------------------
 def capture_calls(modules: dict, run) -> dict:
-    """{name: [(args, kwargs), ...]} of every call of each module while `run()` runs."""
+    """{name: [Call, ...]}: every call of each module while `run()` runs, with its arguments."""
     calls = {name: [] for name in modules}
-    handles = [module.register_forward_pre_hook(lambda m, a, kw, name=name: calls[name].append((a, kw)), with_kwargs=True)
+
+    def hook(module, args, kwargs, name):
+        calls[name].append(Call(module, args, kwargs, cache_restorer(kwargs)))
+
+    handles = [module.register_forward_pre_hook(lambda m, a, kw, name=name: hook(m, a, kw, name), with_kwargs=True)
                for name, module in modules.items()]
     try:
         run()
@@ -291,6 +296,47 @@ def capture_calls(modules: dict, run) -> dict:
         for handle in handles:
             handle.remove()
     return calls
+
+
+@dataclass
+class Call:
+    """One captured call: calling it again restores the KV cache's counters first, so that every
+    repetition writes the same cache slots and attends over the same length (an idempotent call)."""
+
+    module: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    restore: object
+
+    def __call__(self):
+        self.restore()
+        return self.module(*self.args, **self.kwargs)
+
+
+def cache_restorer(kwargs: dict):
+    """A function that puts a KV cache's counters back to their values now.
+
+    Caches keep their fill level in Python ints (advanced by every call) or in small integer
+    tensors (advanced in place, even inside a CUDA graph); the big key/value tensors are written
+    at positions those counters give, so restoring the counters makes a call repeatable."""
+    caches = [v for v in kwargs.values() if type(v).__name__.endswith("Cache")]
+    saved = []
+    for cache in caches:
+        for holder in (cache, *getattr(cache, "layers", ())):
+            for name, value in vars(holder).items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    saved.append((holder, name, value))
+                elif isinstance(value, torch.Tensor) and not value.is_floating_point() and value.numel() <= 64:
+                    saved.append((holder, name, value.clone()))
+
+    def restore():
+        for holder, name, value in saved:
+            if isinstance(value, torch.Tensor):
+                getattr(holder, name).copy_(value)  # in place: a CUDA graph replays this copy too
+            else:
+                setattr(holder, name, value)
+
+    return restore
 
 
 def graph_of(fn):
@@ -319,21 +365,15 @@ def percentile(values, q):
     return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
-def prepared(fn):
-    """(runner, how): the replay of a CUDA graph of `fn`, or `fn` itself when capture fails."""
-    graph, why_not = graph_of(fn)
-    return (graph.replay, "graph") if graph is not None else (fn, f"eager ({why_not})")
-
-
 def time_ab(runners: dict) -> dict:
-    """{name: timing} of each (runner, how): blocks of calls alternate between the runners, each
-    call timed by its own pair of CUDA events, after a warm-up."""
-    for run, _ in runners.values():
+    """{name: timing} of each runner (a callable): blocks of calls alternate between the runners,
+    each call timed by its own pair of CUDA events, after a warm-up."""
+    for run in runners.values():
         for _ in range(WARMUP_REPLAYS):
             run()
     events = {name: [] for name in runners}
     for _ in range(TIMING_BLOCKS):
-        for name, (run, _) in runners.items():
+        for name, run in runners.items():
             for _ in range(REPLAYS_PER_BLOCK):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -345,42 +385,59 @@ def time_ab(runners: dict) -> dict:
     for name, pairs in events.items():
         us = [start.elapsed_time(end) * 1000 for start, end in pairs]
         out[name] = {"median_us": percentile(us, 50), "p20_us": percentile(us, LOW_PERCENTILE),
-                     "p80_us": percentile(us, HIGH_PERCENTILE), "timed_by": runners[name][1], "reps": len(us)}
+                     "p80_us": percentile(us, HIGH_PERCENTILE), "reps": len(us)}
     return out
 
 
+MODES = ("graph", "eager")
+
+
 def time_modules(model, modules: dict, calls: dict, patch, unpatch, backend: str) -> list[dict]:
-    """Patched against unpatched timing of each module with its captured (args, kwargs).
+    """Patched against unpatched timing of each module's captured `Call`, two ways:
 
-    The unpatched graph is captured before patching and, being a graph, replays the unpatched
-    code while the patch is installed: the two alternate. Where the unpatched capture fails, each
-    variant is timed on its own, eagerly, while it is installed."""
+    * graph: replays of a CUDA graph of the call (GPU time alone). The unpatched graph is
+      captured before patching and, being a graph, still replays the unpatched code while the
+      patch is installed: the two alternate.
+    * eager: the call itself, as `generate` makes it without graphs (Python and launch overhead
+      included: CUDA events measure the GPU's timeline, idle gaps too); each variant while it is
+      installed.
+    """
     rows = []
-    for name, module in modules.items():
-        args, kwargs = calls[name]
-
-        def call(module=module, args=args, kwargs=kwargs):
-            return module(*args, **kwargs)
-
+    for name in modules:
+        call = calls[name]
+        row = {"module": name}
         with torch.inference_mode():
-            unpatched = prepared(call)
-            timing = {} if unpatched[1] == "graph" else time_ab({"unpatched": unpatched})
+            unpatched_out = first_tensor(call())
+            if not torch.equal(first_tensor(call()), unpatched_out):
+                raise RuntimeError(f"{name}: two calls with the captured arguments differ: timing would not repeat one call")
+            unpatched_graph, why_not = graph_of(call)
+            timing = {"unpatched_eager": time_ab({"x": call})["x"]}
             patch(model, backend=backend)
             try:
-                runners = {"patched": prepared(call)}
-                if not timing:
-                    runners = {"unpatched": unpatched, **runners}
-                timing.update(time_ab(runners))
+                row["output_vs_unpatched"] = str(compare(first_tensor(call()), unpatched_out))
+                timing["patched_eager"] = time_ab({"x": call})["x"]
+                patched_graph, why_not_patched = graph_of(call)
+                if unpatched_graph is not None and patched_graph is not None:
+                    graphs = time_ab({"unpatched_graph": unpatched_graph.replay, "patched_graph": patched_graph.replay})
+                    timing.update(graphs)
+                else:
+                    row["graph_failed"] = why_not or why_not_patched
             finally:
                 unpatch(model)
-        rows.append({"module": name, **{f"{variant}_{key}": value for variant in ("unpatched", "patched")
-                                        for key, value in timing[variant].items()}})
+        for variant, t in timing.items():
+            row.update({f"{variant}_{key}": value for key, value in t.items()})
+        rows.append(row)
     return rows
 
 
+def first_tensor(output) -> torch.Tensor:
+    """A module's main output: the tensor itself, or the first of a tuple (attention: its output)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
 def lm_timing(model, sizes: dict, patch, unpatch, backend: str) -> list[dict]:
-    """Decoder layer 0 and its attention, with the arguments `generate` passes them at each size."""
-    layer = model.model.layers[0]
+    """A decoder layer and its attention, with the arguments `generate` passes them at each size."""
+    layer = timed_layer(model)
     modules = {"attention block": layer.self_attn, "decoder layer": layer}
     rows = []
     for size, (batch, context, step) in sizes.items():
@@ -391,10 +448,20 @@ def lm_timing(model, sizes: dict, patch, unpatch, backend: str) -> list[dict]:
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=step + 1, min_new_tokens=step + 1,
                 do_sample=False, cache_implementation="static"))
         chosen = {name: c[step] for name, c in calls.items()}
-        tokens = chosen["attention block"][1]["hidden_states"].shape[:2]
+        tokens = chosen["attention block"].kwargs["hidden_states"].shape[:2]
         for row in time_modules(model, modules, chosen, patch, unpatch, backend):
             rows.append({"size": size, "tokens": f"{tokens[0]} x {tokens[1]}", **row})
     return rows
+
+
+def timed_layer(model):
+    """The first decoder layer with global attention. A full sliding-window cache shifts its
+    contents at every decode step, so a repeated call would not see the same keys (Gemma3's
+    sliding layers cost the same at a context within the window)."""
+    for layer in model.model.layers:
+        if getattr(layer.self_attn, "sliding_window", None) is None:
+            return layer
+    raise RuntimeError("no decoder layer with global attention to time")
 
 
 def flux_timing(model, dims: FluxDims, sizes: dict, backend: str) -> list[dict]:
@@ -421,14 +488,13 @@ def compile_check(model, patch, unpatch, backend: str) -> dict:
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(1, model.config.vocab_size, (2, 32), generator=gen).to(model.device)
     with torch.inference_mode():
-        calls = capture_calls({"attn": attn}, lambda: model(ids))
-    args, kwargs = calls["attn"][0]
+        call = capture_calls({"attn": attn}, lambda: model(ids, use_cache=False))["attn"][0]
     patch(model, backend=backend)
     try:
         with torch.inference_mode():
-            eager = attn(*args, **kwargs)[0]
+            eager = attn(*call.args, **call.kwargs)[0]
             started = time.perf_counter()
-            compiled = torch.compile(attn, fullgraph=True)(*args, **kwargs)[0]
+            compiled = torch.compile(attn, fullgraph=True)(*call.args, **call.kwargs)[0]
             seconds = time.perf_counter() - started
     except Exception as error:  # noqa: BLE001 (reported in the results)
         return {"ok": False, "detail": f"{type(error).__name__}: {error}"[:300]}
@@ -456,6 +522,10 @@ def run(tiny: bool, families, results_dir: Path, command: str, backend: str = "a
     report = {"meta": metadata(command, tiny, backend), "parity": {}, "timing": [], "notes": []}
     if timing_note:
         report["notes"].append(timing_note)
+    if on_gpu:
+        started = time.perf_counter()
+        build_kernels(backend)
+        print(f"kernels ready for backend={backend!r} in {time.perf_counter() - started:.0f} s", flush=True)
     for family in families:
         if family == "flux":
             continue
@@ -495,6 +565,18 @@ def run(tiny: bool, families, results_dir: Path, command: str, backend: str = "a
     return report
 
 
+def build_kernels(backend: str) -> None:
+    """Call each op once on tiny CUDA tensors: the first call builds (or loads) its kernels."""
+    q = torch.ones(1, 2, 64, device="cuda", dtype=DTYPE)
+    w = torch.ones(64, device="cuda", dtype=DTYPE)
+    cookbook.qk_norm(q, q.clone(), w, w, backend=backend)
+    cookbook.cross_head_norm(q, q.clone(), w.repeat(2), w.repeat(2), backend=backend)
+    cache = torch.ones(1, 64, device="cuda")
+    positions = torch.zeros(1, dtype=torch.int64, device="cuda")
+    cookbook.qk_norm_rope(q, q.clone(), w, w, cache, positions, backend=backend)
+    torch.cuda.synchronize()
+
+
 def all_ok(report) -> bool:
     checks = []
     for result in report["parity"].values():
@@ -505,12 +587,18 @@ def all_ok(report) -> bool:
 
 
 def row_text(row) -> str:
-    return (f"{row['size']:<10} {row['module']:<24} unpatched {row['unpatched_median_us']:9.1f} us, "
-            f"patched {row['patched_median_us']:9.1f} us ({speedup(row):.2f}x, {row['patched_timed_by']})")
+    parts = [f"{row['size']:<10} {row['module']:<24}"]
+    for mode in MODES:
+        if f"patched_{mode}_median_us" in row:
+            parts.append(f"{mode}: {row[f'unpatched_{mode}_median_us']:8.1f} -> {row[f'patched_{mode}_median_us']:8.1f} us "
+                         f"({speedup(row, mode):.2f}x)")
+        else:
+            parts.append(f"{mode}: capture failed ({row.get('graph_failed')})")
+    return "  ".join(parts)
 
 
-def speedup(row) -> float:
-    return row["unpatched_median_us"] / row["patched_median_us"]
+def speedup(row, mode) -> float:
+    return row[f"unpatched_{mode}_median_us"] / row[f"patched_{mode}_median_us"]
 
 
 def gpu_slug(name: str) -> str:
@@ -551,9 +639,9 @@ def metadata(command: str, tiny: bool, backend: str) -> dict:
         "commit": git_commit(), "command": command, "backend": backend, "dtype": str(DTYPE).replace("torch.", ""),
         "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": version_of("transformers"),
         "diffusers": version_of("diffusers"), "python": platform.python_version(),
-        "timing": (f"median and p{LOW_PERCENTILE}-p{HIGH_PERCENTILE} of {TIMING_BLOCKS * REPLAYS_PER_BLOCK} CUDA-graph "
-                   f"replays per variant (after {WARMUP_REPLAYS} warm-up replays), each timed by its own CUDA events, "
-                   f"unpatched and patched alternating in blocks of {REPLAYS_PER_BLOCK}"),
+        "timing": (f"median and p{LOW_PERCENTILE}-p{HIGH_PERCENTILE} of {TIMING_BLOCKS * REPLAYS_PER_BLOCK} calls per "
+                   f"variant (after {WARMUP_REPLAYS} warm-up calls), each timed by its own CUDA events; CUDA-graph "
+                   f"replays of unpatched and patched alternate in blocks of {REPLAYS_PER_BLOCK}"),
     }
 
 
@@ -594,17 +682,27 @@ def markdown(report) -> str:
                      f"{_yes(result.get('greedy_same'))} | {_verdict(result.get('compile'))} |")
     if report["timing"]:
         lines += ["", "## Time per call", "",
-                  "| model | size | tokens | module | unpatched us (p20-p80) | patched us (p20-p80) | speedup | saved us | timed by |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "Median us (p20-p80) per call of the module with the arguments the model passed it; speedup = "
+                  "unpatched / patched. graph: CUDA-graph replays (GPU time); eager: plain calls as `generate` makes "
+                  "them without graphs (launch and Python overhead included).", "",
+                  "| model | size | tokens | module | graph: unpatched | graph: patched | graph speedup | "
+                  "eager: unpatched | eager: patched | eager speedup | output vs unpatched |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in report["timing"]:
-            lines.append(
-                f"| {row['family']} | {row['size']} | {row['tokens']} | {row['module']} | "
-                f"{row['unpatched_median_us']:.1f} ({row['unpatched_p20_us']:.1f}-{row['unpatched_p80_us']:.1f}) | "
-                f"{row['patched_median_us']:.1f} ({row['patched_p20_us']:.1f}-{row['patched_p80_us']:.1f}) | "
-                f"{speedup(row):.2f}x | {row['unpatched_median_us'] - row['patched_median_us']:.1f} | "
-                f"{row['patched_timed_by'] if row['patched_timed_by'] == row['unpatched_timed_by'] else row['unpatched_timed_by'] + ' / ' + row['patched_timed_by']} |"
-            )
+            cells = [row["family"], row["size"], row["tokens"], row["module"]]
+            for mode in MODES:
+                if f"patched_{mode}_median_us" not in row:
+                    cells += [f"capture failed: {row.get('graph_failed')}", "-", "-"]
+                    continue
+                cells += [_timing_cell(row, f"unpatched_{mode}"), _timing_cell(row, f"patched_{mode}"),
+                          f"{speedup(row, mode):.2f}x"]
+            cells.append(row["output_vs_unpatched"])
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _timing_cell(row, variant) -> str:
+    return f"{row[variant + '_median_us']:.1f} ({row[variant + '_p20_us']:.1f}-{row[variant + '_p80_us']:.1f})"
 
 
 def _verdict(result) -> str:
