@@ -313,7 +313,7 @@ def test_flux_wrong_image_offset_is_detected(monkeypatch):
     original = fused_flux.FusedFluxAttnProcessor.norm_and_rope
     monkeypatch.setattr(fused_flux.FusedFluxAttnProcessor, "norm_and_rope",
                         lambda self, q, k, qn, kn, cache, offset: original(self, q, k, qn, kn, cache, 0))
-    with pytest.raises(LayoutError, match="not within 2.0 ulp"):
+    with pytest.raises(LayoutError, match="not within 3.0 ulp"):
         fused_flux.patch(model)  # the patch-time check sees it first
     monkeypatch.setattr(fused_flux, "probe", lambda *args, **kwargs: None)
     fused_flux.patch(model)
@@ -327,7 +327,7 @@ def test_flux_section_check_refuses_a_wrong_rope(monkeypatch):
     model, _ = flux_case()
     real_op = fused_flux.cookbook.qk_norm_rope
     monkeypatch.setattr(fused_flux.cookbook, "qk_norm_rope", lambda *a, **kw: real_op(*a, **{**kw, "is_neox": True}))
-    with pytest.raises(LayoutError, match="not within 2.0 ulp of the model's own q norm and rope"):
+    with pytest.raises(LayoutError, match="not within 3.0 ulp of the model's own q norm and rope"):
         fused_flux.patch(model)
 
 

@@ -670,7 +670,8 @@ def markdown(report) -> str:
     lines += ["", "## Parity", "",
               "Section: the model's own q/k norms (and rope) against the patched section, on the device, at the "
               f"model's head counts, {PARITY_BATCH} x {PARITY_TOKENS} tokens; rule: >= 99 % bit-identical and all "
-              "within 4 ulp (FLUX, whose rounding order the fused op does not follow: all within 2 ulp). Output: "
+              "within 4 ulp (FLUX, whose rounding order the fused op does not follow: all within 3 ulp of each rotated pair's magnitude). "
+              "Output: "
               "logits (FLUX: the transformer's output) patched and unpatched against the same weights run in "
               "float32; rule: the patched rms error at most 1.1x the model's own. Greedy: "
               f"{GREEDY_TOKENS} generated tokens, patched and unpatched, the same?", "",

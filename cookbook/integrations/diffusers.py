@@ -27,9 +27,9 @@ the original processor's backend settings, then the output projections, as in th
 
 Rounding: FLUX rotates in float32 but first rounds the normalized q and k to the activation
 dtype; ``qk_norm_rope`` has no such middle rounding, so we use ``rounding="fused"`` (one rounding
-at the end). In bfloat16 the two differ by up to about one ulp of the rotated values in a share
-of the elements; the patch-time check bounds that (see `probe`), and the tests check the whole
-transformer against the model's own bf16-vs-float32 difference.
+at the end). In bfloat16 the two differ by an ulp or two of a rotated pair's magnitude in a share
+of the elements; the patch-time check bounds that (see `probe`), and the tests judge the whole
+transformer by accuracy against a float32 run of the same weights.
 """
 
 from __future__ import annotations
@@ -55,9 +55,11 @@ ATTENTION_CLASS, PROCESSOR_CLASS = "FluxAttention", "FluxAttnProcessor"
 PATCH_ATTRIBUTE = "_cookbook_fused_patch"
 SPEC = dict(op="qk_norm_rope", rounding="fused", weight_offset=0.0)
 
-# The middle rounding FLUX does and we skip moves a rotated value by at most half an ulp of each
-# input of the rotation plus the two final roundings: under 2 ulp of the pair's magnitude.
-PROBE_MAX_ULP = 2.0
+# FLUX rounds the normalized q and k before rotating them (once, or twice where its norm rounds
+# before the weight too, as torch's RMSNorm may); we do not. That moves each input of a rotation
+# by up to about one ulp, the rotated pair by up to sqrt(2) ulp of its magnitude, and the two
+# final roundings add one more: under 3 ulp of the pair's magnitude.
+PROBE_MAX_ULP = 3.0
 PROBE_TEXT_TOKENS, PROBE_IMAGE_TOKENS = 4, 8
 PROBE_ROPE_BASE = 10000.0
 PROBE_MAX_POSITION = 4096
@@ -190,10 +192,8 @@ def section_comparisons(attn, *, device="cpu", backend="reference", dtype=torch.
 
 
 def pair_magnitude(x: torch.Tensor) -> torch.Tensor:
-    """|(a, b)| of each interleaved pair, for both of its dims: the scale a rotation preserves.
-
-    FLUX rounds a and b before rotating, we do not: the two results differ by up to half an ulp of
-    each input and one rounding each, under 2 ulp of the pair's magnitude."""
+    """|(a, b)| of each interleaved pair, for both of its dims: the scale a rotation preserves
+    (see PROBE_MAX_ULP)."""
     pairs = x.double().unflatten(-1, (-1, 2))
     return pairs.square().sum(-1, keepdim=True).sqrt().expand_as(pairs).flatten(-2)
 
