@@ -24,8 +24,8 @@ from cookbook import integrations  # noqa: E402
 from cookbook.integrations import LayoutError, bench, compare, output_parity  # noqa: E402
 from cookbook.integrations import transformers as fused_lm  # noqa: E402
 
-FAMILIES = ("qwen3", "gemma3", "olmo2")
-EXPECTED_OPS = {"qwen3": "qk_norm_rope", "gemma3": "qk_norm", "olmo2": "cross_head_norm"}
+FAMILIES = ("qwen3", "qwen3_moe", "gemma3", "olmo2")
+EXPECTED_OPS = {"qwen3": "qk_norm_rope", "qwen3_moe": "qk_norm_rope", "gemma3": "qk_norm", "olmo2": "cross_head_norm"}
 BATCH, TOKENS = 2, 12
 
 
@@ -396,6 +396,45 @@ def test_bench_calls_repeat(family):
         assert all(torch.equal(decode()[0], first) for _ in range(3))
         fused_lm.patch(model)
         assert all(torch.equal(decode()[0], first) for _ in range(3))
+
+
+# --------------------------------------------------------------------------------------------
+# On a GPU: the CUDA C kernels inside the models (the bench repeats this at real sizes).
+# --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_patched_model(family):
+    model = bench.causal_lm(family, bench.TINY_LM_DIMS, device="cuda")
+    section = bench.lm_section_parity(model, family)
+    assert section["ok"], section["detail"]
+    result = bench.lm_parity(model, family, fused_lm.patch, fused_lm.unpatch)
+    assert result["logits"]["ok"], result["logits"]["detail"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_cuda_graph_of_a_patched_decode_step():
+    model = bench.causal_lm("qwen3", bench.TINY_LM_DIMS, device="cuda")
+    ids, mask = (t.cuda() for t in prompt(model))
+    attn = model.model.layers[0].self_attn
+    with torch.inference_mode():
+        decode = bench.capture_calls({"attn": attn}, lambda: model.generate(
+            ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
+            cache_implementation="static"))["attn"][1]
+        fused_lm.patch(model)
+        eager = decode()[0].clone()
+        captured = {}
+
+        def step():
+            captured["out"] = decode()[0]  # during capture: the graph's output tensor
+
+        graph, why_not = bench.graph_of(step)
+        assert graph is not None, why_not
+        captured["out"].zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured["out"], eager)
 
 
 def test_public_names():

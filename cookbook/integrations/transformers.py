@@ -185,9 +185,11 @@ def with_globals(fn, replacements: dict):
         new_inner = with_globals(inner, replacements)
         cells = tuple(types.CellType(new_inner) if cell is holders[0] else cell for cell in cells)
         copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
-        copy.__wrapped__ = new_inner
+    copy.__dict__.update({k: v for k, v in fn.__dict__.items() if k != "__wrapped__"})  # what decorators set
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__, copy.__doc__, copy.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    if inner is not None:
+        copy.__wrapped__ = new_inner
     return copy
 
 
