@@ -47,7 +47,6 @@ import transformers
 
 import cookbook
 from cookbook.integrations import bench, compare, output_parity
-from cookbook.integrations import transformers as fused
 
 print(f"cookbook {cookbook.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, device {DEVICE}")
 

@@ -35,6 +35,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -520,55 +521,67 @@ TINY_FLUX_SIZES = {"tiny": (4, 5)}
 
 
 def run(tiny: bool, families, results_dir: Path, command: str, backend: str = "auto", check_compile: bool = True) -> dict:
-    from cookbook.integrations import transformers as fused_lm
-
+    """Parity (and on a GPU, timing) of each family; writes the results. A family that fails is
+    recorded with its error and the run goes on to the next."""
     on_gpu = torch.cuda.is_available()
-    device = "cuda" if on_gpu else "cpu"
-    timing_note = "" if on_gpu else "no CUDA device: timing needs CUDA events and graphs, skipped"
-    report = {"meta": metadata(command, tiny, backend), "parity": {}, "timing": [], "notes": []}
-    if timing_note:
-        report["notes"].append(timing_note)
-    if on_gpu:
+    report = {"meta": metadata(command, tiny, backend), "parity": {}, "timing": [], "notes": [], "errors": {}}
+    if not on_gpu:
+        report["notes"].append("no CUDA device: timing needs CUDA events and graphs, skipped")
+    else:
         started = time.perf_counter()
         build_kernels(backend)
-        print(f"kernels ready for backend={backend!r} in {time.perf_counter() - started:.0f} s", flush=True)
+        report["notes"].append(f"kernels built or loaded before the run: {time.perf_counter() - started:.0f} s")
     for family in families:
-        if family == "flux":
-            continue
         started = time.perf_counter()
-        dims = TINY_LM_DIMS if tiny else LM_FAMILIES[family].dims
-        print(f"[{family}] building {LM_FAMILIES[family].like}-like layers x {dims.layers} on {device}", flush=True)
-        model = causal_lm(family, dims, device=device)
-        report["parity"][family] = lm_parity(model, family, fused_lm.patch, fused_lm.unpatch, backend)
-        if family == "qwen3" and check_compile and on_gpu:
-            report["parity"][family]["compile"] = compile_check(model, fused_lm.patch, fused_lm.unpatch, backend)
-        print(f"[{family}] parity: {json.dumps(report['parity'][family])}", flush=True)
-        if on_gpu:
-            for row in lm_timing(model, TINY_LM_SIZES if tiny else LM_SIZES, fused_lm.patch, fused_lm.unpatch, backend):
-                report["timing"].append({"family": family, **row})
-                print(f"[{family}] {row_text(row)}", flush=True)
-        del model
-        print(f"[{family}] {time.perf_counter() - started:.0f} s", flush=True)
-    if "flux" in families:
         try:
-            import diffusers  # noqa: F401
-        except ImportError:
-            report["notes"].append("diffusers is not installed: FLUX skipped")
-        else:
-            started = time.perf_counter()
-            dims = TINY_FLUX_DIMS if tiny else FLUX_DIMS
-            model = flux_transformer(dims, device=device)
-            side, text = next(iter((TINY_FLUX_SIZES if tiny else FLUX_SIZES).values()))
-            report["parity"]["flux"] = flux_parity(model, dims, side, text, backend)
-            print(f"[flux] parity: {json.dumps(report['parity']['flux'])}", flush=True)
+            if family == "flux":
+                run_flux(report, tiny, backend, on_gpu)
+            else:
+                run_lm(report, family, tiny, backend, on_gpu, check_compile)
+        except Exception as error:  # noqa: BLE001 (recorded in the results; the exit status says it failed)
+            report["errors"][family] = "".join(traceback.format_exception_only(type(error), error)).strip()[:500]
+            traceback.print_exc()
+        finally:
             if on_gpu:
-                for row in flux_timing(model, dims, TINY_FLUX_SIZES if tiny else FLUX_SIZES, backend):
-                    report["timing"].append({"family": "flux", **row})
-                    print(f"[flux] {row_text(row)}", flush=True)
-            del model
-            print(f"[flux] {time.perf_counter() - started:.0f} s", flush=True)
+                torch.cuda.empty_cache()
+        print(f"[{family}] {time.perf_counter() - started:.0f} s", flush=True)
     write(report, results_dir)
     return report
+
+
+def run_lm(report, family, tiny, backend, on_gpu, check_compile) -> None:
+    from cookbook.integrations import transformers as fused
+
+    dims = TINY_LM_DIMS if tiny else LM_FAMILIES[family].dims
+    device = "cuda" if on_gpu else "cpu"
+    print(f"[{family}] {LM_FAMILIES[family].like}-like layers x {dims.layers} on {device}", flush=True)
+    model = causal_lm(family, dims, device=device)
+    report["parity"][family] = lm_parity(model, family, fused.patch, fused.unpatch, backend)
+    if family == "qwen3" and check_compile and on_gpu:
+        report["parity"][family]["compile"] = compile_check(model, fused.patch, fused.unpatch, backend)
+    print(f"[{family}] parity: {json.dumps(report['parity'][family])}", flush=True)
+    if on_gpu:
+        for row in lm_timing(model, TINY_LM_SIZES if tiny else LM_SIZES, fused.patch, fused.unpatch, backend):
+            report["timing"].append({"family": family, **row})
+            print(f"[{family}] {row_text(row)}", flush=True)
+
+
+def run_flux(report, tiny, backend, on_gpu) -> None:
+    try:
+        import diffusers  # noqa: F401
+    except ImportError as error:
+        report["notes"].append(f"diffusers cannot be imported ({error}): FLUX skipped")
+        return
+    dims = TINY_FLUX_DIMS if tiny else FLUX_DIMS
+    sizes = TINY_FLUX_SIZES if tiny else FLUX_SIZES
+    model = flux_transformer(dims, device="cuda" if on_gpu else "cpu")
+    side, text = next(iter(sizes.values()))
+    report["parity"]["flux"] = flux_parity(model, dims, side, text, backend)
+    print(f"[flux] parity: {json.dumps(report['parity']['flux'])}", flush=True)
+    if on_gpu:
+        for row in flux_timing(model, dims, sizes, backend):
+            report["timing"].append({"family": "flux", **row})
+            print(f"[flux] {row_text(row)}", flush=True)
 
 
 def build_kernels(backend: str) -> None:
@@ -584,7 +597,7 @@ def build_kernels(backend: str) -> None:
 
 
 def all_ok(report) -> bool:
-    checks = []
+    checks = [not report["errors"]]
     for result in report["parity"].values():
         for key, value in result.items():
             if isinstance(value, dict) and "ok" in value:
@@ -668,11 +681,14 @@ def markdown(report) -> str:
         f"- command: `{meta['command']}`",
         f"- timing: {meta['timing']}",
         "- models: random weights (random q/k norm weights too), two layers (FLUX: one block of each kind) of "
-        + ", ".join(f"{LM_FAMILIES[f].like}-like dims" if f in LM_FAMILIES else "FLUX.1-like dims" for f in report["parity"])
-        + f"; vocabulary cut to {LM_FAMILIES['qwen3'].dims.vocab}",
+        + (f"tiny dims ({TINY_LM_DIMS}; {TINY_FLUX_DIMS})" if meta["tiny"] else
+           ", ".join(f"{LM_FAMILIES[f].like}-like dims" if f in LM_FAMILIES else "FLUX.1-like dims" for f in report["parity"])
+           + f"; vocabulary cut to {LM_FAMILIES['qwen3'].dims.vocab}"),
     ]
     for note in report["notes"]:
         lines.append(f"- note: {note}")
+    for family, error in report["errors"].items():
+        lines.append(f"- **{family} failed**: `{error}`")
     lines += ["", "## Parity", "",
               "Section: the model's own q/k norms (and rope) against the patched section, on the device, at the "
               f"model's head counts, {PARITY_BATCH} x {PARITY_TOKENS} tokens; rule: >= 99 % bit-identical and all "
