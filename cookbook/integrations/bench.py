@@ -141,14 +141,18 @@ def flux_transformer(dims: FluxDims = FLUX_DIMS, *, dtype=DTYPE, device="cpu", s
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = FluxTransformer2DModel(
-            patch_size=1, in_channels=dims.channels, num_layers=dims.double_blocks,
-            num_single_layers=dims.single_blocks, attention_head_dim=dims.head_dim, num_attention_heads=dims.heads,
-            joint_attention_dim=dims.text_dim, pooled_projection_dim=dims.pooled_dim, guidance_embeds=False,
-            axes_dims_rope=dims.axes,
-        )
-    model = model.to(dtype).eval()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in `dtype` (diffusers' `to(dtype)` would log a warning)
+    try:
+        with torch.device(device):
+            model = FluxTransformer2DModel(
+                patch_size=1, in_channels=dims.channels, num_layers=dims.double_blocks,
+                num_single_layers=dims.single_blocks, attention_head_dim=dims.head_dim, num_attention_heads=dims.heads,
+                joint_attention_dim=dims.text_dim, pooled_projection_dim=dims.pooled_dim, guidance_embeds=False,
+                axes_dims_rope=dims.axes,
+            ).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
     randomize_norm_weights(model, ("norm_q", "norm_k", "norm_added_q", "norm_added_k"), offset=0.0, seed=seed)
     return model
 
