@@ -31,8 +31,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import re
-import subprocess
 import sys
 import time
 import traceback
