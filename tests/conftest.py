@@ -43,3 +43,29 @@ def pytest_sessionfinish(session, exitstatus):
     import nvcc_jobs
 
     nvcc_jobs.stop()
+
+
+def _skip_reason(report) -> str:
+    """The reason pytest gives for a skipped test, without its file and line."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line per kind of skip instead of thousands of 's': what a CPU-only run leaves out."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    gpu_words = ("GPU", "CUDA tensors", "compute-sanitizer", "torchrun")
+    gpu = sum(any(word in _skip_reason(r) for word in gpu_words) for r in skipped)
+    other = {}
+    for report in skipped:
+        reason = _skip_reason(report)
+        if not any(word in reason for word in gpu_words):
+            other[reason] = other.get(reason, 0) + 1
+    terminalreporter.write_sep("-", "skipped")
+    if gpu:
+        terminalreporter.write_line(f"{gpu} GPU tests skipped: no GPU (they run on a CUDA GPU: H100/H200)")
+    for reason, count in sorted(other.items(), key=lambda item: -item[1])[:8]:
+        terminalreporter.write_line(f"{count} skipped: {reason}")

@@ -35,25 +35,31 @@ def tour(ops=None, shapes=None, dtypes=TOUR_DTYPES, roundings=ROUNDINGS, echo=pr
     """
     request_simulator()
     ops = [op for op in resolve_ops(ops) if op not in registry.DISTRIBUTED_OPS]  # collectives: cookbook.bench.tp
-    rows = []
+    rows, not_here = [], []
     for op in ops:
         contract = registry.contract(op)
         runnable, skipped = split_available(op, "cpu")
+        cases = [(shape, dtype, rounding) for shape in (shapes or {}).get(op, contract.SIM_SHAPES)
+                 for dtype in dtypes for rounding in roundings]
+        echo(f"\n{op}: {', '.join(impl.name for impl in runnable)} on {len(cases)} cases "
+             f"(tiny shapes x {len(dtypes)} dtypes x {len(roundings)} roundings) ...")
         op_rows = []
-        for shape in (shapes or {}).get(op, contract.SIM_SHAPES):
-            for dtype in dtypes:
-                for rounding in roundings:
-                    op_rows += _tour_case(op, contract, runnable, shape, dtype, rounding)
-        echo(f"\n{op}: agreement on the CPU (timings are simulator wall time: they mean nothing)")
+        for i, (shape, dtype, rounding) in enumerate(cases, 1):
+            op_rows += _tour_case(op, contract, runnable, shape, dtype, rounding)
+            echo(f"  [{i}/{len(cases)}] {op_rows[-1]['label']} {dtype_name(dtype)} {rounding}: "
+                 f"{sum(row['agrees'] for row in op_rows[-len(runnable):])} of {len(runnable)} agree")
+        echo(f"{op}: agreement on the CPU (wall times are the simulator's: they mean nothing)")
         echo(tour_table(op_rows))
         for row in op_rows:
             if not row["agrees"]:
                 echo(f"  FAIL {row['label']} {row['dtype']} {row['rounding']}: {row['agreement']}")
-        for impl, reason in skipped:
-            echo(f"  not run here: {impl.name} ({reason})")
+        not_here += [impl.name for impl, _ in skipped]
         rows += op_rows
     failed = sum(not row["agrees"] for row in rows)
     echo(f"\n{len(rows) - failed} of {len(rows)} runs agree with the contract." + (" FAILURES above." if failed else ""))
+    if not_here:
+        echo(f"Not run here: {len(not_here)} implementations need a CUDA GPU (the CUDA C rungs and tuned "
+             "kernels, torch.compile).")
     echo(gpu_would_add(ops))
     return rows
 
@@ -80,7 +86,7 @@ def gpu_would_add(ops) -> str:
     """What `python -m cookbook bench` adds on a CUDA GPU, named from the registry."""
     lines = ["\nOn a CUDA GPU, `python -m cookbook bench` also:"]
     for op in ops:
-        gpu_only = [impl.name for impl in registry.implementations(op, ("cuda", "peer"))]
+        gpu_only = [impl.name for impl in registry.implementations(op, ("cuda", "tuned", "peer"))]
         lines.append(f"  - runs {op}'s {', '.join(gpu_only)} and its Numba kernels on the real GPU;")
     lines += [
         "  - checks each implementation on every benchmark shape, then times it by CUDA-graph replay",
