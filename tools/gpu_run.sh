@@ -14,7 +14,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } 2>&1 | tee "$OUT/env.txt"
 status=0
 if [[ $what == tests || $what == all ]]; then
-  python3 -c "from cookbook import cuda, registry; [cuda.load(op) for op in registry.ops()]" 2>&1 | tail -20
+  python3 -c "from cookbook import registry; from cookbook.bench import sweep; [sweep.build_cuda_kernels(op, registry.implementations(op)) for op in registry.ops()]" 2>&1 | tail -20
   python3 -m pytest -q --maxfail=25 -p no:cacheprovider -W ignore::numba.core.errors.NumbaPerformanceWarning tests "$@" 2>&1 | tee "$OUT/pytest.log" | tail -40
   status=${PIPESTATUS[0]}
 fi

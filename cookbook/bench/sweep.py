@@ -180,14 +180,14 @@ def _plan(ops, shapes) -> list[tuple]:
     for op in ops:
         contract = registry.contract(op)
         runnable, skipped = split_available(op, DEVICE)
-        runnable, broken = _build_cuda_kernels(op, runnable)
+        runnable, broken = build_cuda_kernels(op, runnable)
         for impl, reason in skipped + broken:
             print(f"{op}: not benchmarked: {impl.name} ({reason})")
         plan.append((op, contract, select_shapes(contract.BENCH_SHAPES, shapes), runnable))
     return plan
 
 
-def _build_cuda_kernels(op, impls) -> tuple[list, list]:
+def build_cuda_kernels(op, impls) -> tuple[list, list]:
     """Build the op's CUDA C kernels before any timing, every extension at once, in parallel: a
     build that fails is reported once, not once per shape. (runnable, [(impl, why not)])."""
     compiled = [impl for impl in impls if impl.level in registry.COMPILED_LEVELS]
