@@ -112,7 +112,7 @@ def setup() -> Session:
     print(f"device: {device}; Numba kernels: {numba}")
     print(f"python {platform.python_version()}, torch {torch.__version__}, numba {_version('numba')}, "
           f"numba-cuda {_version('numba-cuda')}; nvcc: {'yes' if nvcc_report.nvcc() else 'not on PATH'}")
-    print(f"checkout: {session.root}")
+    print(f"checkout: {os.path.relpath(session.root)} (the one whose cookbook/ is imported, from this directory)")
     return session
 
 

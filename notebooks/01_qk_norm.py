@@ -263,7 +263,8 @@ start = time.perf_counter()
 numba_v1.fn(args.q, args.k, args.q_weight, args.k_weight, args.eps, args.weight_offset, args.rounding)
 seconds = time.perf_counter() - start
 exact, _ = expected["fused"]
-print(f"numba_v1 on {session.device} ({'simulated' if session.simulator else 'a real GPU'}): {seconds:.2f} s wall")
+print(f"numba_v1 on {session.device} ({'simulated' if session.simulator else 'a real GPU'}): {seconds:.2f} s wall "
+      "for a first call, Numba's compile included")
 print(agreement("numba_v1:q", run["q"].cpu(), exact, None, "fused", tol).message)
 print(f"elements equal to the reference's fused output: {int((run['q'].cpu() == outputs['fused']).sum())} of {differ.numel()}")
 
