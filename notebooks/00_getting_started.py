@@ -16,8 +16,23 @@
 #
 # The cookbook holds the fused normalization kernels that LLM and diffusion inference engines run
 # in every attention layer. Each op exists three times, and the three provably agree: a PyTorch
-# reference (`cookbook/ops/`), a Numba CUDA kernel (`kernels_numba/`) and numbered CUDA C
-# versions (`kernels_cuda/`). The registry, `cookbook/registry.py`, is the only list of them.
+# reference, Numba CUDA kernels (`kernels_numba/`) and CUDA C kernels (`kernels_cuda/`). Where
+# things are:
+#
+# * `cookbook/api.py`: the public ops (`cookbook.qk_norm`, ...): check the arguments once, pick
+#   an implementation, run it in place;
+# * `cookbook/ops/<op>.py`: each op's contract (math, checks, reference, inputs, tolerances,
+#   bytes moved);
+# * `cookbook/registry.py`: the only list of implementations, which tests, the benchmark and the
+#   notebooks iterate;
+# * `cookbook/bench/`: the benchmark (a package: `sweep` on a GPU, `tour` on a CPU, `timing`,
+#   `tables`, `pages`, and `tp` for the collective op);
+# * `cookbook/walkthrough.py`: what the notebooks share.
+#
+# `qk_norm` is laid out as a teaching **ladder**: `kernels_cuda/qk_norm/v1_*.cuh` to `v6_*.cuh`,
+# each a standalone kernel that fixes one named bottleneck of the rung below, plus `tuned.cuh`,
+# the production kernel. The other ops still hold their numbered CUDA C versions in one header
+# each (`kernels_cuda/<op>.cuh`).
 #
 # **Install** (from a checkout; the test extras include everything the notebooks need):
 #
@@ -27,28 +42,28 @@
 #
 # Without a GPU everything here still runs: the reference on the CPU, and the Numba kernels under
 # Numba's CUDA simulator, which must be switched on *before Numba is first imported* (Numba reads
-# `NUMBA_ENABLE_CUDASIM` once). That is what the first cell does.
+# `NUMBA_ENABLE_CUDASIM` once). That is what `walkthrough.setup()` in the first cell does.
 
 # %%
-import os
 import sys
 from pathlib import Path
 
-import torch  # torch does not import Numba
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # before anything imports numba
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "cookbook" / "__init__.py").exists()), None)
+# Run from a checkout (e.g. `notebooks/`): make its packages importable, whether installed or not.
+ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "cookbook" / "walkthrough.py").is_file()), None)
 if ROOT is not None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from cookbook import walkthrough  # imports neither Numba nor a CUDA extension
+
+session = walkthrough.setup()  # without a GPU: NUMBA_ENABLE_CUDASIM=1, before anything imports Numba
+
+# %%
+import torch
 
 import cookbook
 from cookbook import registry
 
-print(f"cookbook {cookbook.__version__}, torch {torch.__version__}, device {DEVICE}, "
-      f"NUMBA_ENABLE_CUDASIM={os.environ.get('NUMBA_ENABLE_CUDASIM', '0')}")
+print(f"cookbook {cookbook.__version__}: {', '.join(cookbook.__all__)}")
 
 # %% [markdown]
 # ## Calling an op
@@ -59,7 +74,7 @@ print(f"cookbook {cookbook.__version__}, torch {torch.__version__}, device {DEVI
 
 # %%
 contract = registry.contract("qk_norm")
-inputs = contract.make_inputs(3, 4, 2, 64, torch.bfloat16, DEVICE, seed=0, fused_qkv=True)
+inputs = contract.make_inputs(3, 4, 2, 64, torch.bfloat16, session.device, seed=0, fused_qkv=True)
 q, k = inputs["q"], inputs["k"]
 print("q", tuple(q.shape), "stride", q.stride(), q.dtype, "| k", tuple(k.shape), "stride", k.stride())
 
@@ -72,17 +87,21 @@ print("rms of each q row, after: ", q.float().square().mean(-1).sqrt()[0], "(abo
 # %% [markdown]
 # ## Backends
 #
-# `backend=` picks the level: `"reference"` (PyTorch, any device), `"numba"`, `"cuda"`, or
-# `"auto"` (the fastest available for the tensors' device; on a CPU that is the reference). The
-# registry says which implementation each one resolves to here, or why it cannot run:
+# `backend=` picks the level: `"reference"` (PyTorch, any device), `"numba"` (the last Numba
+# kernel), `"cuda"` (the op's tuned CUDA C kernel where it has one, `cuda_tuned`, else its last
+# numbered CUDA C version), or `"auto"`: on CUDA tensors the same CUDA C kernel, on CPU tensors
+# the reference. The registry says what each one resolves to here, or why it cannot run:
 
 # %%
 for backend in ("auto", "reference", "numba", "cuda"):
     try:
-        impl = registry.resolve("qk_norm", backend, DEVICE)
+        impl = registry.resolve("qk_norm", backend, session.device)
         print(f"backend={backend!r:12} -> {impl.name}")
     except (ValueError, RuntimeError) as error:
         print(f"backend={backend!r:12} -> unavailable: {error}")
+print()
+for op in registry.ops():
+    print(f"backend='cuda' runs {registry.fastest(op).name:<10} for {op}")
 
 # %% [markdown]
 # Every backend checks its inputs the same way before writing anything, and names the argument,
@@ -99,15 +118,23 @@ except ValueError as error:
 # ## The registry: every implementation of every op
 #
 # Tests, the benchmark and the notebooks iterate this list; an implementation that is not
-# registered does not exist. Each entry's lead says what changed from the previous version.
+# registered does not exist. Its levels: `reference`, `numba`, `cuda` (the numbered CUDA C
+# kernels: for qk_norm the rungs of its ladder), `tuned` (the production CUDA C kernel) and
+# `peer` (what a user would run instead, e.g. `torch.compile` of the reference). Each entry has
+# a one-line lead saying what it changes and which bottleneck it removes (notebook 01 reads them
+# rung by rung).
 
 # %%
 for op in registry.ops():
     print(f"{op}:")
-    for impl in registry.implementations(op):
-        reason = impl.unavailable(DEVICE)
-        where = "runs here" if reason is None else f"not here ({reason})"
-        print(f"  {impl.name:<14} {impl.level:<9} v{impl.version}  {where}\n      {impl.lead}")
+    for level in registry.LEVELS:
+        impls = registry.implementations(op, (level,))
+        if impls:
+            reason = impls[0].unavailable(session.device)
+            where = "runs here" if reason is None else f"not here: {reason}"
+            print(f"  {level:<9} {walkthrough.names_text([impl.name for impl in impls]):<32} ({where})")
+print(f"\nqk_norm's tuned kernel, kernels_cuda/{registry.get('qk_norm', 'cuda_tuned').kernel}:\n"
+      f"  {registry.get('qk_norm', 'cuda_tuned').lead}")
 
 # %% [markdown]
 # ## Tests, the benchmark, the docs
@@ -115,13 +142,17 @@ for op in registry.ops():
 # * **Tests**: `python -m pytest tests` (on a CPU: references, Numba under the simulator, an
 #   `nvcc` compile of every CUDA C kernel when nvcc is installed; GPU-only tests skip with a
 #   reason). `python -m pytest --nbmake notebooks` runs these notebooks top to bottom.
-# * **The main job**: `python -m cookbook bench` on a GPU checks and times every registered
-#   implementation side by side with PyTorch eager and `torch.compile`, and writes tables, plots
-#   and `docs/results/<op>_<gpu>.md`. `python -m cookbook tour` (the default without a GPU) runs
-#   the CPU tour: the reference and the Numba kernels on tiny shapes, checked for agreement.
-# * **Docs**: `docs/index.md` lists the op pages (`docs/qk_norm.md`: contract, versions,
-#   caveats, results).
-# * **Walkthroughs**: `notebooks/01_qk_norm` goes from the math to the fastest CUDA C version.
+# * **The main job**: `python -m cookbook bench` on a GPU (`cookbook/bench/sweep.py`) checks and
+#   times every registered implementation side by side with PyTorch eager and `torch.compile`,
+#   and writes tables, plots and `docs/results/<op>_<gpu>.md`. `python -m cookbook tour` (the
+#   default without a GPU, `cookbook/bench/tour.py`) runs the reference and the Numba kernels on
+#   tiny shapes, checked for agreement.
+# * **Docs**: [`docs/index.md`](../docs/index.md) lists the op pages
+#   ([`docs/qk_norm.md`](../docs/qk_norm.md): contract, the ladder, the tuned kernel, results).
+# * **Walkthroughs**: [`01_qk_norm`](01_qk_norm.ipynb) goes from the math up the ladder to the
+#   tuned kernel; [`02_cross_head_norm`](02_cross_head_norm.ipynb),
+#   [`03_tp_qk_norm`](03_tp_qk_norm.ipynb) and [`04_qk_norm_rope`](04_qk_norm_rope.ipynb) take
+#   the other ops.
 #
 # The tour is quick enough to run here:
 

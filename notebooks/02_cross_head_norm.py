@@ -23,45 +23,40 @@
 # SM can hold at once.
 #
 # It runs top to bottom on a laptop: without a GPU the Numba kernel runs under Numba's CUDA
-# simulator on tiny shapes and the GPU cells say that they were skipped. Every number printed
-# below is computed here; the code shown is read from the tested sources, never pasted.
+# simulator on tiny shapes and the timing cells show what the benchmark recorded on a GPU
+# (`docs/results/`) instead of measuring. Every number printed below is computed here or read
+# from a recorded results page; the code shown is read from the tested sources, never pasted.
 #
 # **The first cell matters.** Numba reads `NUMBA_ENABLE_CUDASIM` once, when it is first
 # imported, so on a machine without a GPU the simulator must be switched on *before anything
-# imports Numba* (see `notebooks/01_qk_norm` for the details).
+# imports Numba*: `walkthrough.setup()` does that (see `notebooks/01_qk_norm` for the details).
+# `cookbook/walkthrough.py` holds what every notebook here shares: setup, agreement tables,
+# timing, plots and short excerpts of the sources.
 
 # %%
-import os
 import sys
 from pathlib import Path
 
-import torch  # torch does not import Numba
-
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # before anything imports numba
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-
 # Run from a checkout (e.g. `notebooks/`): make its packages importable, whether installed or not.
-ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "cookbook" / "__init__.py").exists()), None)
+ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "cookbook" / "walkthrough.py").is_file()), None)
 if ROOT is not None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-print(f"device: {torch.cuda.get_device_name() if ON_GPU else 'CPU only'}; "
-      f"NUMBA_ENABLE_CUDASIM={os.environ.get('NUMBA_ENABLE_CUDASIM', '0')}; torch {torch.__version__}")
+from cookbook import walkthrough  # imports neither Numba nor a CUDA extension
+
+session = walkthrough.setup()  # without a GPU: NUMBA_ENABLE_CUDASIM=1, before anything imports Numba
 
 # %%
 import inspect
-import json
 import re
+
+import torch
 
 import cookbook
 from cookbook import bench, nvcc_report, registry
-from cookbook.testing import agreement
 
 OP = "cross_head_norm"
 contract = registry.contract(OP)  # the contract module cookbook/ops/cross_head_norm.py
-ROOT = ROOT or bench.REPO_ROOT
 torch.set_printoptions(precision=6, linewidth=120)
 
 # %% [markdown]
@@ -158,27 +153,24 @@ print(inspect.getsource(contract.reference))
 #
 # Every implementation must read q and k once and write them once; the weights are read once per
 # launch. The contract's `bytes_moved` is that minimum. On the `meta` device (shapes only, no
-# memory), for the benchmark's shapes, divided by the copy bandwidth of `TARGETS.md` (the
-# practical ceiling of a memory-bound kernel; the benchmark cell measures one on the GPU):
+# memory), for the benchmark's shapes, divided by the bandwidth of a device-to-device copy (the
+# practical ceiling of a memory-bound kernel): measured now on a GPU, or else the copy the
+# benchmark measured with its recorded sweep.
 
 # %%
-COPY_TB_PER_S_TARGETS = {"H100": 3.0, "H200": 4.2}  # the figures of shared/design/TARGETS.md, not measured here
-
-
 def meta_inputs(tokens, q_hidden, k_hidden, dtype=torch.bfloat16):
     """The op's arguments as meta tensors: shapes and dtypes, no memory."""
     empty = lambda *shape: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
     return dict(q=empty(tokens, q_hidden), k=empty(tokens, k_hidden), q_weight=empty(q_hidden), k_weight=empty(k_hidden))
 
 
-def napkin(shape, copy_tb_per_s):
-    moved = contract.bytes_moved(**meta_inputs(*shape[:3]))  # a fourth element names q and k's layout
-    times = ", ".join(f"{gpu} {moved / (tb * 1e12) * 1e6:.2f} us" for gpu, tb in copy_tb_per_s.items())
-    return moved, f"(tokens, q_hidden, k_hidden) = {str(shape):<20} {moved / 1e6:9.3f} MB  at copy bandwidth: {times}"
-
-
+copy_tb_per_s, copy_source = walkthrough.copy_ceiling(OP)
+print(f"copy ceiling: {copy_tb_per_s:.2f} TB/s ({copy_source})\n" if copy_tb_per_s else f"no copy ceiling: {copy_source}\n")
+print(f"{'(tokens, q_hidden, k_hidden[, layout])':<40} {'MB moved':>9} {'us at the copy ceiling':>23}")
 for shape in contract.BENCH_SHAPES:
-    print(napkin(shape, COPY_TB_PER_S_TARGETS)[1])
+    moved = contract.bytes_moved(**meta_inputs(*shape[:3]))  # a fourth element names q and k's layout
+    at_ceiling = f"{moved / (copy_tb_per_s * 1e12) * 1e6:.3f}" if copy_tb_per_s else "-"
+    print(f"{str(shape):<40} {moved / 1e6:9.3f} {at_ceiling:>23}")
 
 # %% [markdown]
 # At one token the bytes take nanoseconds, far below a kernel launch: latency and launch count
@@ -189,16 +181,15 @@ for shape in contract.BENCH_SHAPES:
 # ## 5. The Numba kernel
 #
 # One block per (token, tensor): `blockIdx.x` is the token, `blockIdx.y` picks q or k, so rows of
-# different widths share one launch. Threads stride over the row (coalesced), a block-wide sum
-# gives every thread the row's sum of squares, a second pass writes. The module docstring and
-# the kernel factory, from the source:
+# different widths share one launch. Threads stride over the row (coalesced; `threads_for` sizes
+# the block in whole warps), a block-wide sum gives every thread the row's sum of squares, a
+# second pass writes. The module docstring and the kernel factory, from the source:
 
 # %%
 import kernels_numba.cross_head_norm as numba_cross_head_norm
 
 print(numba_cross_head_norm.__doc__)
 print(inspect.getsource(numba_cross_head_norm.make_cross_head_norm_kernel))
-print(inspect.getsource(numba_cross_head_norm.threads_for))
 
 # %% [markdown]
 # v1 moves one 2-byte element per load and per store. **numba_v2** keeps the kernel's shape and
@@ -225,25 +216,27 @@ for impl in cuda_versions:
 print(f"\nbackend='cuda' runs the last one: {registry.latest(OP, 'cuda').name}")
 
 # %% [markdown]
-# Each kernel, sliced out of the header from the `// vN:` marker that precedes it (the header's
-# version list at the top repeats the markers; the last occurrence is the kernel's):
+# The whole header is long (`kernels_cuda/cross_head_norm.cuh`, each version in a section that
+# opens with its lead); here are the kernels the occupancy lesson turns on. v1, one CTA per token
+# for q and k together, keeps two sums and both weights live:
 
 # %%
-HEADER = (nvcc_report.KERNEL_DIR / f"{OP}.cuh").read_text()
-RULE = re.compile(r"^// -{20,}$", re.MULTILINE)
+walkthrough.show_kernel(OP, "cuda_v1")
 
+# %% [markdown]
+# v2 splits the tensors over `grid.y` (`locate_row` picks q's or k's row from `blockIdx.y`), so a
+# CTA keeps one sum and one weight:
 
-def version_source(version):
-    """The header text from the `// vN:` line above version N's kernel to the next section rule
-    after its code (the next version's section, or the launchers)."""
-    start = [m.start() for m in re.finditer(rf"^// v{version}: ", HEADER, re.MULTILINE)][-1]
-    rules = [m.start() for m in RULE.finditer(HEADER, start)]
-    end = rules[1] if len(rules) > 1 else len(HEADER)  # rules[0] closes the version's comment block
-    return HEADER[start:end].rstrip()
+# %%
+walkthrough.show_kernel(OP, "cuda_v2")
 
+# %% [markdown]
+# v3 holds the row in registers as 16-byte vectors, `kVecsPerThread` of them per thread (v5 to
+# v14 launch the same kernel with more template flags set: streaming accesses, a programmatic
+# launch, the token-major grid, the weights loaded with the row, rows warmed in L2):
 
-for impl in cuda_versions:
-    print(f"{'=' * 100}\n{version_source(impl.version)}\n")
+# %%
+walkthrough.show_kernel(OP, "cuda_v3")
 
 # %% [markdown]
 # Reading them in order:
@@ -363,7 +356,7 @@ for impl in cuda_versions:
 # benchmark row width (the same table is on the docs page):
 
 # %%
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(session.root / "tools"))
 import docs_versions  # noqa: E402
 
 if nvcc_report.nvcc() is None:
@@ -393,7 +386,13 @@ else:
             streaming = programmatic = True
         print(f"| v{version} | {vecs or '-'} | {yes_no[streaming]} | {yes_no[programmatic]} | {yes_no[held]} "
               f"| {yes_no[ahead]} | {yes_no[own]} | {registers} | {spill_bytes} |")
-    print()
+
+# %% [markdown]
+# From those registers, each launcher's block size and shared memory, the theoretical occupancy
+# of the kernel each version picks at each benchmark row width:
+
+# %%
+if nvcc_report.nvcc() is not None:
     print(docs_versions.occupancy_table(OP))
 
 # %% [markdown]
@@ -401,13 +400,14 @@ else:
 # grid, a grid smaller than the SMs can hold (one token: two CTAs), and stalls at the barriers
 # of the block reduction all lower the achieved figure, which Nsight Compute reads from the
 # hardware counters. `python -m cookbook.ncu --op cross_head_norm --shape 5` profiles one call of
-# every CUDA C version at 2048 tokens x 8192 and records the page printed here (it needs a GPU
-# and `ncu`, so this cell reads the recorded page rather than profiling):
+# every CUDA C version at 2048 tokens x 8192 and records the pages linked here (it needs a GPU
+# and `ncu`; their tables of achieved occupancy, DRAM throughput and stall reasons per version
+# are what the next paragraph reads):
 
 # %%
-ncu_pages = sorted((ROOT / "docs" / "results").glob(f"{OP}_*_ncu.md"))
+ncu_pages = walkthrough.results_pages(OP, "ncu")
 for page in ncu_pages:
-    print(page.read_text())
+    walkthrough.results_link(page)
 if not ncu_pages:
     print("no Nsight Compute page recorded yet: run `python -m cookbook.ncu --op cross_head_norm --shape 5 "
           "--results-dir docs/results` on a GPU")
@@ -437,115 +437,26 @@ if not ncu_pages:
 # simulated GPU thread is a Python thread.
 
 # %%
-if ON_GPU:
-    AGREE_SHAPES = [(1, 8192, 8192), (129, 6144, 1024), (7, 32768, 4096), (5, 1000, 250)]  # 1000/250: v2's general path
-else:
-    AGREE_SHAPES = list(contract.SIM_SHAPES)
-AGREE_CASES = [(dtype, rounding, 0.0) for dtype in (torch.float32, torch.bfloat16) for rounding in ("fused", "hf")]
-AGREE_CASES += [(torch.bfloat16, rounding, 1.0) for rounding in ("fused", "hf")]  # Gemma's (1 + w)
-
-
-def check(impl, shape, dtype, rounding, weight_offset):
-    inputs = contract.make_inputs(*shape, dtype=dtype, device=DEVICE, seed=1, fused_qkv=True)
-    want = contract.expected({n: t.clone() for n, t in inputs.items()}, EPS, weight_offset, rounding)
-    args = contract.check_inputs(**inputs, eps=EPS, weight_offset=weight_offset, rounding=rounding)
-    impl.fn(args.q, args.k, args.q_weight, args.k_weight, args.eps, args.weight_offset, args.rounding)
-    results = [agreement(n, inputs[n], exact, hf, rounding, contract.TOLERANCES[dtype]) for n, (exact, hf) in want.items()]
-    return all(r.ok for r in results), max(r.max_ulp for r in results), "; ".join(r.message for r in results if not r.ok)
-
-
-failures = 0
-for impl in registry.implementations(OP, ("reference", "numba", "cuda")):  # the peer is timed below
-    reason = impl.unavailable(DEVICE)
-    if reason:
-        print(f"{impl.name:<14} skipped: {reason}")
-        continue
-    verdicts = [(case, check(impl, shape, *case)) for shape in AGREE_SHAPES for case in AGREE_CASES]
-    bad = [(case, v) for case, v in verdicts if not v[0]]
-    failures += len(bad)
-    worst = {dtype: max(v[1] for (d, _, _), v in verdicts if d == dtype) for dtype in (torch.float32, torch.bfloat16)}
-    print(f"{impl.name:<14} {len(verdicts) - len(bad)} of {len(verdicts)} cases agree; worst error "
-          + ", ".join(f"{str(d).removeprefix('torch.')} {u:.3g} ulp" for d, u in worst.items()))
-    for case, (_, _, message) in bad:
-        print(f"   FAIL {case}: {message}")
-print("\nall runnable implementations agree" if failures == 0 else f"\n{failures} FAILING cases above")
+AGREE_SHAPES = [(1, 8192, 8192), (129, 6144, 1024), (7, 32768, 4096), (5, 1000, 250)]  # 1000/250: v2's general path
+walkthrough.agreement_table(OP, AGREE_SHAPES if session.on_gpu else contract.SIM_SHAPES[:1])
 
 # %% [markdown]
-# ## 9. Side by side: the benchmark
+# ## 9. Side by side
 #
-# On a GPU the next cell calls the cookbook's benchmark (`cookbook.bench.run`, the same code as
-# `python -m cookbook bench`): it checks every implementation and the `torch.compile` peer for
-# agreement, then times each by CUDA-graph replay over rotating input sets (median and p20-p80),
-# and reports GB/s from `bytes_moved` and percent of a device-to-device copy measured in the same
-# run. Set `COOKBOOK_BENCH_SHAPES=full` for the whole sweep (the default here, `quick`, times
-# the first, middle and last shapes, too few token counts for a line, so the plot then draws
-# this GPU's recorded full sweep from `docs/results/`). Without a GPU it shows the recorded
-# results in `docs/results/`.
+# Every implementation at the benchmark's first, middle and last shapes: on a GPU timed now by
+# the benchmark's own machinery (`cookbook.bench`: agreement first, then CUDA-graph replay over
+# rotating input sets, percent of a device-to-device copy measured in the same run), else read
+# from the sweep the benchmark recorded in `docs/results/`. Then the recorded full sweep against
+# tokens (`python -m cookbook bench --ops cross_head_norm` on a GPU writes it, with the GPU, date,
+# commit and command on the page).
 
 # %%
-import matplotlib.pyplot as plt
+QUICK = bench.select_shapes(contract.BENCH_SHAPES, "quick")
+measured = walkthrough.measure_or_recall(OP, [impl.name for impl in registry.implementations(OP)], QUICK)
+walkthrough.timing_table(measured)
 
-
-def plot_rows(rows, title):
-    """Latency and percent of copy against tokens, one line per implementation (the shape family
-    with the most token counts)."""
-    family = bench.largest_family([r for r in rows if r["op"] == OP and r["median_us"] is not None])
-    if not family:
-        print("no timed rows to plot")
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-    for ax, (column, label) in zip(axes, bench.PLOTS.values()):
-        bench.draw_lines(ax, family, column, label)  # a colour per implementation, a marker per level
-    axes[1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    tail = ", ".join(map(str, family[0]["shape"][1:]))
-    fig.suptitle(f"{OP}, shape (tokens, {tail}): {title}")
-    fig.tight_layout()
-
-
-def summarize_rows(rows):
-    """Per shape: the fastest implementation and its % of copy; the last CUDA C version vs the peers."""
-    last_cuda = registry.latest(OP, "cuda").name
-    for label in dict.fromkeys(r["label"] for r in rows):
-        timed = [r for r in rows if r["label"] == label and r["median_us"] is not None]
-        if not timed:
-            continue
-        best = min(timed, key=lambda r: r["median_us"])
-        line = f"{label}: fastest {best['impl']} {best['median_us']:.2f} us ({best['pct_of_copy']:.0f} % of copy)"
-        ours = next((r for r in timed if r["impl"] == last_cuda), None)
-        if ours is not None:
-            line += f"; {last_cuda} {ours['pct_of_copy']:.0f} % of copy, " + ", ".join(
-                f"{ours[col]:.2f}x {what}" for col, what in (("x_vs_eager", "vs eager"), ("x_vs_compile", "vs torch.compile"))
-                if ours[col] is not None)
-        print(line)
-
-
-SHAPES = os.environ.get("COOKBOOK_BENCH_SHAPES", "quick")
-RESULTS = ROOT / "docs" / "results"  # what `python -m cookbook bench` records
-if ON_GPU:
-    BENCH_OUT = ROOT / "bench_out" / "notebook_02"
-    bench_rows = bench.run(ops=[OP], shapes=SHAPES, out=BENCH_OUT, write_results=False,
-                           command=f"notebooks/02_cross_head_norm (cookbook.bench.run, shapes={SHAPES!r})")
-    meta = json.loads((BENCH_OUT / "results.json").read_text())["metadata"]
-    print()
-    for shape in contract.BENCH_SHAPES:
-        print(napkin(shape, {f"this {meta['gpu']} (measured above)": meta["copy_tb_per_s"]})[1])
-    summarize_rows(bench_rows)
-    # A quick run times one or two token counts per shape: draw this GPU's recorded (full) sweep.
-    recorded = bench.recorded_sweeps(OP, RESULTS, meta["gpu_slug"]) if SHAPES == "quick" else []
-    for sweep in recorded:
-        plot_rows(sweep.rows, sweep.title)
-    if not recorded:
-        plot_rows(bench_rows, meta["gpu"])
-else:
-    print("No CUDA GPU: the benchmark cells were skipped (timings under the simulator mean nothing).")
-    recorded = bench.recorded_sweeps(OP, RESULTS)
-    if not recorded:
-        print("No recorded GPU results in docs/results/ yet: `python -m cookbook bench` on a GPU writes them.")
-    for sweep in recorded:
-        print(f"\nRecorded GPU results, {sweep.page.relative_to(ROOT)}:\n")
-        print(sweep.page.read_text())
-        summarize_rows(sweep.rows)
-        plot_rows(sweep.rows, sweep.title)
+# %%
+walkthrough.show_sweep(OP)
 
 # %% [markdown]
 # In the plot above (when there is one) we can see the two regimes of the napkin math. At one
@@ -568,11 +479,13 @@ else:
 # 32768/4096), where warming the first 2 MiB of rows before the wait takes 0.6-9 % off; v14 is
 # v13 except at 1536 x 8192 and at 2048 x 8192 on separate tensors, where v3's 512-thread CTA
 # takes 3-12 % off.
-# The summary above the plot says, per shape, which implementation was fastest and how the
-# last version compares with eager PyTorch and `torch.compile`.
+# The table above the plot gives, per shape, each implementation's time and share of the copy,
+# the eager PyTorch reference and `torch.compile` among them.
 #
 # ## Where to go next
 #
-# * `docs/cross_head_norm.md`: the op page (contract, versions, occupancy, results, caveats).
+# * [`docs/cross_head_norm.md`](../docs/cross_head_norm.md): the op page (contract, versions,
+#   occupancy, results, caveats); the recorded sweep
+#   [`docs/results/cross_head_norm_h200.md`](../docs/results/cross_head_norm_h200.md).
 # * `python -m cookbook bench --ops cross_head_norm` on a GPU: the full sweep, with CSV/JSON and plots.
 # * `python -m pytest tests/test_cross_head_norm.py`: the property tests and negative controls.

@@ -30,42 +30,37 @@
 # It runs top to bottom on a laptop in seconds: everything here runs in one process (the real op
 # is a collective over several GPUs, which `python -m cookbook bench --ops tp_qk_norm` runs under
 # torchrun). Every number printed below is computed here; the code shown is read from the tested
-# sources, never pasted.
+# sources, never pasted. The first cell is every notebook's (`cookbook/walkthrough.py`: Numba's
+# CUDA simulator switched on where there is no GPU, before anything imports Numba).
 
 # %%
-import os
 import sys
 from pathlib import Path
 
-import torch  # torch does not import Numba
-
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # before anything imports numba
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-
 # Run from a checkout (e.g. `notebooks/`): make its packages importable, whether installed or not.
-ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "cookbook" / "__init__.py").exists()), None)
+ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "cookbook" / "walkthrough.py").is_file()), None)
 if ROOT is not None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-print(f"device: {torch.cuda.get_device_name() if ON_GPU else 'CPU only'}; "
-      f"NUMBA_ENABLE_CUDASIM={os.environ.get('NUMBA_ENABLE_CUDASIM', '0')}; torch {torch.__version__}")
+from cookbook import walkthrough  # imports neither Numba nor a CUDA extension
+
+session = walkthrough.setup()  # without a GPU: NUMBA_ENABLE_CUDASIM=1, before anything imports Numba
+DEVICE, ON_GPU = session.device, session.on_gpu
 
 # %%
 import inspect
 import random
-import re
 import struct
 
+import torch
+
 import cookbook
-from cookbook import bench, nvcc_report, registry, tp_workspace
+from cookbook import registry, tp_workspace
 from cookbook.ops import cross_head_norm as cross
 from cookbook.testing import agreement
 
 OP = "tp_qk_norm"
 contract = registry.contract(OP)  # the contract module cookbook/ops/tp_qk_norm.py
-ROOT = ROOT or bench.REPO_ROOT
 EPS = 1e-6
 Q_WIDTH, K_WIDTH = 6144, 1024  # MiniMax-M2: q and k normalized over their full widths
 torch.set_printoptions(precision=6, linewidth=120)
@@ -335,14 +330,18 @@ print(f"\nbackend='cuda' runs {registry.latest(OP, 'cuda').name} when every GPU 
       f"other's memory (one node, P2P), else cuda_v1, and says so once.")
 
 # %% [markdown]
-# The fused kernel, sliced out of the torch-free header `kernels_cuda/tp_qk_norm.cuh` from its
-# `// v2:` lead to the launchers (the mapping comment names its four phases):
+# The fused kernel lives in the torch-free header `kernels_cuda/tp_qk_norm.cuh`. Its section
+# opens with the lead and the mapping, which names its four phases:
 
 # %%
-HEADER = (nvcc_report.KERNEL_DIR / f"{OP}.cuh").read_text()
-start = [m.start() for m in re.finditer(r"^// v2: ", HEADER, re.MULTILINE)][-1]
-end = HEADER.index("// Launchers (host).", start)
-print(HEADER[start:HEADER.rindex("\n// ---", start, end)].rstrip())
+walkthrough.excerpt("kernels_cuda/tp_qk_norm.cuh", "// v2: one fused kernel", "constexpr int kFusedThreads", occurrence=-1)
+
+# %% [markdown]
+# The kernel itself, `fused_kernel`, up to its fourth phase (the rest of the header carries the
+# later versions' kernels and the launchers):
+
+# %%
+walkthrough.show_kernel(OP, "cuda_v2", "fused_kernel")
 
 # %% [markdown]
 # ## 7. The fused kernel's protocol
@@ -664,21 +663,21 @@ for world in (2, 4, 8):
 # torchrun, one process per GPU) times every implementation side by side with the communication
 # alone (the NCCL all-reduce of the `[T, 2]` sums and PyTorch's symmetric-memory one-shot
 # all-reduce) and the same shard's single-GPU `cross_head_norm`, and writes
-# `docs/results/tp_qk_norm_<gpu>x<tp>.md`. The recorded tables, if any:
+# `docs/results/tp_qk_norm_<gpu>x<tp>.md`. The recorded pages, if any (each names its GPUs, date,
+# commit and command):
 
 # %%
-pages = sorted((ROOT / "docs" / "results").glob(f"{OP}_*x*.md"))
+pages = walkthrough.results_pages(OP) + walkthrough.results_pages(OP, "decode")
 if not pages:
     print("No recorded results yet (docs/results/tp_qk_norm_h200x2.md is written by "
           "`python -m cookbook bench --ops tp_qk_norm` on a node with 2 GPUs).")
 for page in pages:
-    print(f"Recorded results, {page.relative_to(ROOT)}:\n")
-    print(page.read_text())
+    walkthrough.results_link(page)
 
 # %% [markdown]
 # ## Where to go next
 #
-# * `docs/tp_qk_norm.md`: the op page (contract, the protocol, scaling to 4 and 8 GPUs and across
-#   nodes, limits, results).
+# * [`docs/tp_qk_norm.md`](../docs/tp_qk_norm.md): the op page (contract, the protocol, scaling to
+#   4 and 8 GPUs and across nodes, limits, results).
 # * `cookbook/tp_workspace.py`: the workspace, its layout and the protocol's docstring.
 # * `python -m cookbook bench --ops tp_qk_norm` on a node with 2 GPUs: the side-by-side timing.

@@ -22,38 +22,35 @@
 # compiler's resource report, an agreement check of every implementation, and the benchmark.
 #
 # It runs top to bottom on a laptop: without a GPU the Numba kernel runs under Numba's CUDA
-# simulator on tiny shapes and the benchmark cell shows the recorded GPU results instead. Every
-# number printed below is computed here (or read from a results page the benchmark wrote); the
-# code shown is read from the tested sources, never pasted.
+# simulator on tiny shapes and the timing cells show what the benchmark recorded on a GPU
+# (`docs/results/`) instead of measuring. Every number printed below is computed here (or read
+# from a results page the benchmark wrote); the code shown is read from the tested sources, never
+# pasted.
 #
 # **The first cell matters**, as in 01: Numba reads `NUMBA_ENABLE_CUDASIM` once, when it is first
-# imported, so on a machine without a GPU the simulator is switched on before anything imports
-# Numba. `setdefault` leaves an explicit choice of yours alone.
+# imported, so on a machine without a GPU `walkthrough.setup()` switches the simulator on before
+# anything imports Numba, and leaves an explicit choice of yours alone. `cookbook/walkthrough.py`
+# holds what every notebook here shares: setup, agreement tables, timing, plots and short
+# excerpts of the sources.
 
 # %%
-import os
 import sys
 from pathlib import Path
 
-import torch  # torch does not import Numba
-
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # before anything imports numba
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-
 # Run from a checkout (e.g. `notebooks/`): make its packages importable, whether installed or not.
-ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "cookbook" / "__init__.py").exists()), None)
+ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "cookbook" / "walkthrough.py").is_file()), None)
 if ROOT is not None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-print(f"device: {torch.cuda.get_device_name() if ON_GPU else 'CPU only'}; "
-      f"NUMBA_ENABLE_CUDASIM={os.environ.get('NUMBA_ENABLE_CUDASIM', '0')}; torch {torch.__version__}")
+from cookbook import walkthrough  # imports neither Numba nor a CUDA extension
+
+session = walkthrough.setup()  # without a GPU: NUMBA_ENABLE_CUDASIM=1, before anything imports Numba
 
 # %%
 import inspect
-import json
 import re
+
+import torch
 
 import cookbook
 from cookbook import bench, nvcc_report, registry
@@ -61,7 +58,6 @@ from cookbook.testing import agreement
 
 OP = "qk_norm_rope"
 contract = registry.contract(OP)  # the contract module cookbook/ops/qk_norm_rope.py
-ROOT = ROOT or bench.REPO_ROOT
 EPS = 1e-6
 torch.set_printoptions(precision=4, linewidth=120, sci_mode=False)
 
@@ -215,12 +211,11 @@ for fn in (contract.cos_sin_rows, contract.pair_slices, contract.rotate, contrac
 # position and one cache row, and the weights once per launch. `contract.bytes_moved` is that
 # minimum. The shapes are the benchmark's (`contract.BENCH_SHAPES`), built on the `meta` device
 # (shapes and dtypes only, no memory), divided by a device-to-device copy bandwidth: the
-# practical ceiling of a memory-bound kernel. Until the benchmark cell measures one on this
-# machine we use the figures of `TARGETS.md`.
+# practical ceiling of a memory-bound kernel, measured now on a GPU, or else the copy the
+# benchmark measured with its recorded sweep.
 
 # %%
-COPY_TB_PER_S_TARGETS = {"H100": 3.0, "H200": 4.2}  # the figures of shared/design/TARGETS.md, not measured here
-NAMED_SHAPES = {  # the issue's named shapes, all in contract.BENCH_SHAPES
+NAMED_SHAPES = {  # the named shapes of the op page, all in contract.BENCH_SHAPES
     "decode": (64, 32, 8, 128, 128, True),
     "flux_1024": (4096, 24, 24, 128, 128, True),
     "qwen_image_1024": (4096, 32, 32, 128, 128, True),
@@ -235,17 +230,13 @@ def meta_case(shape, dtype=torch.bfloat16):
     return {n: t for n, t in inputs.items() if n != "rope"}, label
 
 
-def napkin(shape, copy_tb_per_s):
+copy_tb_per_s, copy_source = walkthrough.copy_ceiling(OP)
+print(f"copy ceiling: {copy_tb_per_s:.2f} TB/s ({copy_source})\n" if copy_tb_per_s else f"no copy ceiling: {copy_source}\n")
+for name, shape in NAMED_SHAPES.items():
     tensors, label = meta_case(shape)
     moved = contract.bytes_moved(**tensors)
-    lines = [f"{label}: {moved / 1e6:.3f} MB moved"]
-    for gpu, tb_per_s in copy_tb_per_s.items():
-        lines.append(f"  at {gpu}'s copy bandwidth {tb_per_s:.2f} TB/s: {moved / (tb_per_s * 1e12) * 1e6:.3f} us")
-    return moved, "\n".join(lines)
-
-
-for name, shape in NAMED_SHAPES.items():
-    print(f"{name}: {napkin(shape, COPY_TB_PER_S_TARGETS)[1]}")
+    at_ceiling = f", {moved / (copy_tb_per_s * 1e12) * 1e6:.3f} us at the copy ceiling" if copy_tb_per_s else ""
+    print(f"{name} ({label}): {moved / 1e6:.3f} MB moved{at_ceiling}")
 
 # %% [markdown]
 # At the diffusion shapes the op is a bandwidth problem (tens of microseconds at the copy
@@ -327,15 +318,17 @@ print(f"{flux_label}: the eager reference dispatches {len(log.ops)} ATen ops, {e
 # launch. In v1 each lane reads its elements once into a local array, a warp-level sum gives the
 # row's sum of squares, and the rotation's partner element, which another lane holds, comes over
 # a warp shuffle: for interleaved pairs the neighbouring lane, for NeoX pairs the lane
-# `rope_dim/2` columns away (possibly in another slot). Its docstring and kernel factory, from
-# the source:
+# `rope_dim/2` columns away (possibly in another slot). Its docstring, then the kernel (the
+# inner function of its factory, `make_qk_norm_rope_kernel`), from the source:
 
 # %%
 import kernels_numba.helpers as numba_helpers
 import kernels_numba.qk_norm_rope as numba_qk_norm_rope
 
 print(numba_qk_norm_rope.__doc__)
-print(inspect.getsource(numba_qk_norm_rope.make_qk_norm_rope_kernel))
+
+# %%
+walkthrough.excerpt("kernels_numba/qk_norm_rope.py", "def qk_norm_rope_kernel(q, k", "return qk_norm_rope_kernel")
 
 # %% [markdown]
 # The shuffle comes from the shared helpers. On a GPU it is `shfl_sync`; the simulator has no
@@ -360,7 +353,7 @@ print(f"on this machine warp_shfl is {chosen} (simulator: {numba_helpers.SIMULAT
 # page has the counters.
 
 # %%
-print(inspect.getsource(numba_qk_norm_rope.make_qk_norm_rope_kernel_v2))
+walkthrough.excerpt("kernels_numba/qk_norm_rope.py", "def qk_norm_rope_kernel_v2(q, k", "return qk_norm_rope_kernel_v2")
 
 # %% [markdown]
 # v3 (`make_qk_norm_rope_kernel_v3` in `kernels_numba/qk_norm_rope.py`) keeps v2's algorithm and
@@ -387,33 +380,20 @@ for impl in cuda_versions:
 print(f"\nbackend='cuda' runs the last one: {registry.latest(OP, 'cuda').name}")
 
 # %% [markdown]
-# The kernels, sliced out of the header at the `// vN:` marker that precedes each one (the
-# version list at the top repeats the markers; the last occurrence is the kernel's). v3's
-# launch geometry (`V3Traits`, its derived constants and asserted invariants) stands just above
-# its marker, so it is shown with v3; v4's (`V4Traits`) is inside its own section:
+# The header is long (`kernels_cuda/qk_norm_rope.cuh`, each version in a section that opens with
+# its lead). Two kernels carry the lessons below. v2 fuses the norm and the rotation in one warp
+# per row, a lane owning whole (a, b) pairs:
 
 # %%
-HEADER = (nvcc_report.KERNEL_DIR / f"{OP}.cuh").read_text()
-RULE = re.compile(r"^// -{20,}$", re.MULTILINE)
-GEOMETRY = re.compile(r"^// v(\d+)'s geometry", re.MULTILINE)  # a version's traits, above its section
+walkthrough.show_kernel(OP, "cuda_v2")
 
+# %% [markdown]
+# v4 holds a row as pairs of 16-byte vectors, the a and b members of the same rotation pairs in
+# one lane (its launch geometry, `V4Traits`, derives the units per lane and asserts that a head
+# is a whole number of them); its first 60 lines, up to the loads of a row:
 
-def version_source(version):
-    """The header text from the `// vN:` line above version N's kernel to the next section rule
-    after its code, or to the next version's geometry block; with its own geometry block first."""
-    start = [m.start() for m in re.finditer(rf"^// v{version}: ", HEADER, re.MULTILINE)][-1]
-    rules = [m.start() for m in RULE.finditer(HEADER, start)]
-    end = rules[1] if len(rules) > 1 else len(HEADER)  # rules[0] closes the version's comment block
-    next_geometry = GEOMETRY.search(HEADER, start, end)
-    if next_geometry:
-        end = next_geometry.start()
-    own = [m for m in GEOMETRY.finditer(HEADER) if int(m.group(1)) == version]
-    geometry = HEADER[own[0].start():[r.start() for r in RULE.finditer(HEADER, own[0].start())][0]] if own else ""
-    return (geometry + HEADER[start:end]).rstrip()
-
-
-for impl in cuda_versions:
-    print(f"{'=' * 100}\n{version_source(impl.version)}\n")
+# %%
+walkthrough.show_kernel(OP, "cuda_v4")
 
 # %% [markdown]
 # Reading them in order:
@@ -484,14 +464,12 @@ for impl in cuda_versions:
 #
 # `nvcc` alone (no GPU) compiles every kernel of the header; `ptxas -v` reports registers and
 # spills per instantiation. A memory-bound kernel needs many warps in flight to hide DRAM
-# latency, and registers per thread bound how many an SM can hold. The bf16 kernels, every
-# head_dim v3 is specialized for:
+# latency, and registers per thread bound how many an SM can hold (`walkthrough.warps_allowed`:
+# 64K 32-bit registers and at most 64 warps per SM on sm_90). The bf16 kernels at head_dim 128
+# (v1 and v2 are not specialized on head_dim; the other head_dims v3 to v9 compile, 64, 256 and
+# 512, are in the same report):
 
 # %%
-REGISTERS_PER_SM = 65536  # sm_90 (H100, H200): 64K 32-bit registers per SM
-MAX_WARPS_PER_SM = 64  # sm_90: 2048 threads per SM
-REGISTER_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
-
 if nvcc_report.nvcc() is None:
     print("nvcc is not on PATH: skipping the compiler's resource report (CI and GPU machines have it).")
 else:
@@ -511,16 +489,14 @@ else:
     table = []
     for k in kernels:
         m = name.search(k.mangled)
-        if not m or (m.group(1) == "9" and m.group(8) != "S2_f"):
+        if not m or (m.group(1) == "9" and m.group(8) != "S2_f") or m.group(3) not in (None, "128"):
             continue
         part = (m.group(2) or "").rstrip("_") or {"1": "NeoX", "0": "interleaved"}.get(m.group(5), "single")
-        per_warp = -(-k.registers * 32 // REGISTER_ALLOC_UNIT) * REGISTER_ALLOC_UNIT
-        warps = min(MAX_WARPS_PER_SM, REGISTERS_PER_SM // per_warp)
         walk = m.group(7) or "0"
         version = 8 if walk == "3" else 7 if walk != "0" else 6 if m.group(6) == "1" else int(m.group(1))
         part += {"1": ", walk", "2": ", one row", "3": ", one row, warmed"}.get(walk, "")
         table.append((version, part, int(m.group(3) or 0), "hf" if m.group(4) == "1" else "fused",
-                      k.registers, k.spill_bytes, warps))
+                      k.registers, k.spill_bytes, walkthrough.warps_allowed(k.registers)))
     print("| version | kernel | head_dim | rounding | registers | spill bytes | warps/SM the registers allow |")
     print("|---|---|---|---|---|---|---|")
     for version, part, head_dim, rounding, registers, spills, warps in sorted(table):
@@ -547,56 +523,23 @@ else:
 # is not a power of two): every simulated GPU thread is a Python thread.
 
 # %%
-if ON_GPU:
-    AGREE_SHAPES = [(129, 8, 1, 128, 128, True), (7, 4, 2, 128, 64, False), (5, 4, 2, 96, 40, True)]  # v3, partial, general
-else:
-    AGREE_SHAPES = list(contract.SIM_SHAPES)
+AGREE_SHAPES = [(129, 8, 1, 128, 128, True), (7, 4, 2, 128, 64, False), (5, 4, 2, 96, 40, True)]  # v3, partial, general
 AGREE_CASES = [dict(dtype=dtype, rounding=rounding) for dtype in (torch.float32, torch.bfloat16) for rounding in ("fused", "hf")]
 AGREE_CASES += [dict(dtype=torch.bfloat16, rounding="fused", weight_offset=1.0, position_dtype=torch.int32,
-                     position_offset=5, cache_dtype=torch.bfloat16)]
-
-
-def check(impl, shape, dtype, rounding, weight_offset=0.0, **make):
-    inputs = contract.make_inputs(*shape, dtype=dtype, device=DEVICE, seed=1, fused_qkv=True, **make)
-    want = contract.expected({n: t.clone() for n, t in inputs.items()}, EPS, weight_offset, rounding)
-    a = contract.check_inputs(**inputs, eps=EPS, weight_offset=weight_offset, rounding=rounding)
-    impl.fn(a.q, a.k, a.q_weight, a.k_weight, a.cos_sin_cache, a.positions, a.eps, a.weight_offset, a.rounding,
-            a.is_neox, a.rope_dim, a.position_offset)
-    results = [agreement(n, inputs[n], exact, hf, rounding, contract.TOLERANCES[dtype]) for n, (exact, hf) in want.items()]
-    return all(r.ok for r in results), max(r.max_ulp for r in results), "; ".join(r.message for r in results if not r.ok)
-
-
-failures = 0
-for impl in registry.implementations(OP, ("reference", "numba", "cuda")):  # the peer is timed below
-    reason = impl.unavailable(DEVICE)
-    if reason:
-        print(f"{impl.name:<14} skipped: {reason}")
-        continue
-    verdicts = [(case, check(impl, shape, **case)) for shape in AGREE_SHAPES for case in AGREE_CASES]
-    bad = [(case, v) for case, v in verdicts if not v[0]]
-    failures += len(bad)
-    worst = {dtype: max(v[1] for case, v in verdicts if case["dtype"] == dtype) for dtype in (torch.float32, torch.bfloat16)}
-    print(f"{impl.name:<14} {len(verdicts) - len(bad)} of {len(verdicts)} cases agree; worst error "
-          + ", ".join(f"{str(d).removeprefix('torch.')} {u:.3g} ulp" for d, u in worst.items()))
-    for case, (_, _, message) in bad:
-        print(f"   FAIL {case}: {message}")
-print("\nall runnable implementations agree" if failures == 0 else f"\n{failures} FAILING cases above")
+                     position_offset=5, cache_dtype=torch.bfloat16, label="bf16 fused w+1 int32 pos+5 bf16 cache")]
+walkthrough.agreement_table(OP, AGREE_SHAPES if session.on_gpu else contract.SIM_SHAPES, AGREE_CASES)
 
 # %% [markdown]
-# ## 10. Side by side: the benchmark
+# ## 10. Side by side
 #
-# On a GPU the next cell calls the cookbook's benchmark (`cookbook.bench.run`, the same code as
-# `python -m cookbook bench`): for every implementation in the registry plus the peers it checks
-# agreement first, then times each by CUDA-graph replay over rotating input sets (median and
-# p20-p80), and reports GB/s from `bytes_moved` and percent of a device-to-device copy measured
-# in the same run. Set `COOKBOOK_BENCH_SHAPES=full` for the whole sweep (the default here,
-# `quick`, times the first, middle and last shapes). Without a GPU it shows the recorded results
-# of the last GPU run in `docs/results/`.
+# Every implementation at the named shapes: on a GPU timed now by the benchmark's own machinery
+# (`cookbook.bench`: agreement first, then CUDA-graph replay over rotating input sets, percent of
+# a device-to-device copy measured in the same run), else read from the sweep the benchmark
+# recorded in `docs/results/` (`python -m cookbook bench --ops qk_norm_rope` on a GPU writes it,
+# with the GPU, date, commit and command on the page).
 #
-# The benchmark's shapes are mostly one token count each (the named diffusion shapes differ in
-# heads and rope_dim, not tokens), so besides the harness's own plots (against tokens, for the
-# largest family of shapes that differ only in the token count) we draw one bar per
-# implementation and shape.
+# The named shapes differ in heads and rope_dim, not in tokens, so instead of lines against
+# tokens we draw one bar per implementation and shape.
 
 # %%
 import matplotlib.pyplot as plt
@@ -630,48 +573,12 @@ def plot_rows(rows, title):
     fig.tight_layout()
 
 
-def summarize_rows(rows):
-    """Per shape: the fastest implementation and its % of copy; the last CUDA C version vs the peers."""
-    last_cuda = registry.latest(OP, "cuda").name
-    for label in dict.fromkeys(r["label"] for r in rows if r["op"] == OP):
-        timed = [r for r in rows if r["label"] == label and r["median_us"] is not None]
-        if not timed:
-            continue
-        best = min(timed, key=lambda r: r["median_us"])
-        line = f"{label}: fastest {best['impl']} {best['median_us']:.2f} us ({best['pct_of_copy']:.0f} % of copy)"
-        ours = next((r for r in timed if r["impl"] == last_cuda), None)
-        if ours is not None:
-            line += f"; {last_cuda} {ours['pct_of_copy']:.0f} % of copy, " + ", ".join(
-                f"{ours[col]:.2f}x {what}" for col, what in (("x_vs_eager", "vs eager"), ("x_vs_compile", "vs torch.compile"))
-                if ours[col] is not None)
-        print(line)
-
-
-SHAPES = os.environ.get("COOKBOOK_BENCH_SHAPES", "quick")
-if ON_GPU:
-    BENCH_OUT = ROOT / "bench_out" / "notebook_04"
-    bench_rows = bench.run(ops=[OP], shapes=SHAPES, out=BENCH_OUT, write_results=False,
-                           command=f"notebooks/04_qk_norm_rope (cookbook.bench.run, shapes={SHAPES!r})")
-    meta = json.loads((BENCH_OUT / "results.json").read_text())["metadata"]
-    print()
-    measured = {f"this {meta['gpu']} (measured above)": meta["copy_tb_per_s"]}
-    for name, shape in NAMED_SHAPES.items():
-        print(f"{name}: {napkin(shape, measured)[1]}")
-    summarize_rows(bench_rows)
-    plot_rows(bench_rows, meta["gpu"])
-else:
-    print("No CUDA GPU: the benchmark cells were skipped (timings under the simulator mean nothing).")
-    pages = sorted((ROOT / "docs" / "results").glob(f"{OP}_*.md"))
-    if not pages:
-        print("No recorded GPU results in docs/results/ yet: `python -m cookbook bench` on a GPU writes them.")
-    for page in pages:
-        print(f"\nRecorded GPU results, {page.relative_to(ROOT)}:\n")
-        print(page.read_text())
-        recorded = page.with_suffix(".json")
-        if recorded.exists():
-            data = json.loads(recorded.read_text())
-            summarize_rows(data["rows"])
-            plot_rows(data["rows"], f"{data['metadata']['gpu']}, recorded {data['metadata']['date']}")
+measured = walkthrough.measure_or_recall(OP, [impl.name for impl in registry.implementations(OP)],
+                                         list(NAMED_SHAPES.values()))
+walkthrough.timing_table(measured)
+plot_rows(measured.rows, measured.source.splitlines()[0])
+for page in walkthrough.results_pages(OP):
+    walkthrough.results_link(page)
 
 # %% [markdown]
 # In the plot above (when there is one) we can see the two regimes the napkin math predicted. At
@@ -682,13 +589,14 @@ else:
 # still short of the copy line with its schedulers busy in about two thirds of the cycles: it
 # was issuing instructions about as fast as it could. v5 issues fewer per element (section 7):
 # on the H200 that took the diffusion shapes from 62-63 % to 83-86 % of the copy bandwidth.
-# The summary
-# printed above the plot says, per shape, which implementation was fastest on this GPU and how
-# the final version compares with eager PyTorch and `torch.compile`.
+# The table above the plot gives, per shape, each implementation's time and share of the copy,
+# the eager PyTorch reference and `torch.compile` among them.
 #
 # ## Where to go next
 #
-# * `docs/qk_norm_rope.md`: the op page (contract, versions, caveats, results, what to try next).
+# * [`docs/qk_norm_rope.md`](../docs/qk_norm_rope.md): the op page (contract, versions, caveats,
+#   results, what to try next); the recorded sweep
+#   [`docs/results/qk_norm_rope_h200.md`](../docs/results/qk_norm_rope_h200.md).
 # * `python -m cookbook bench --ops qk_norm_rope --shapes full` on a GPU: the whole sweep,
 #   including the decode shape and every named diffusion shape.
 # * `python -m pytest tests/test_qk_norm_rope.py`: the property tests and negative controls.
