@@ -105,26 +105,45 @@ def extensions(op: str | None = None) -> dict[str, Extension]:
 def compile_header(op: str, arch: str = DEFAULT_ARCH) -> list[KernelResources]:
     """Compile every kernel of `kernels_cuda/<op>.cuh` (older layout); raise with nvcc's output on
     failure."""
-    keep = "".join(f"auto const keep_{entry} = &cookbook::{op}::{entry};\n" for entry in ENTRY_POINTS.get(op, ("launch",)))
-    return _compile_unit(op, f'#include "{op}.cuh"\n{keep}', arch)
+    return parse_ptxas(ptxas_log(op, arch))
 
 
 def compile_extension(name: str, arch: str = DEFAULT_ARCH) -> list[KernelResources]:
     """Compile every kernel of the extension `name` (``qk_norm_v3``): its launchers of every dtype
     and rounding in one nvcc unit; raise with nvcc's output on failure."""
-    ext = extensions()[name]
-    return _compile_unit(name, "".join(ext.kernel_units().values()), arch)
+    return parse_ptxas(ptxas_log(name, arch))
 
 
-def _compile_unit(key: str, unit_text: str, arch: str) -> list[KernelResources]:
-    """Compile `unit_text` with nvcc and parse ptxas's report. The report of a successful compile
+def _unit_of(key: str) -> str:
+    """The unit `compile_extension` (an extension's name) or `compile_header` (an op) compiles."""
+    ext = extensions().get(key)
+    if ext is not None:
+        return "".join(ext.kernel_units().values())
+    keep = "".join(f"auto const keep_{entry} = &cookbook::{key}::{entry};\n" for entry in ENTRY_POINTS.get(key, ("launch",)))
+    return f'#include "{key}.cuh"\n{keep}'
+
+
+def report_is_cached(key: str, arch: str = DEFAULT_ARCH) -> bool:
+    """Whether ptxas's report for `key` (an extension or an op) is already cached: asking for it is then free."""
+    compiler = nvcc()
+    return compiler is not None and _report_cache(key, arch, _unit_of(key), compiler).is_file()
+
+
+def ptxas_log(key: str, arch: str = DEFAULT_ARCH) -> str:
+    """ptxas's whole report (registers, spills, shared memory per kernel) for `key`: an extension
+    (``qk_norm_v3``) or an op in the older layout (``cross_head_norm``); cached."""
+    return _compile_unit(key, _unit_of(key), arch)
+
+
+def _compile_unit(key: str, unit_text: str, arch: str) -> str:
+    """Compile `unit_text` with nvcc and return ptxas's report. The report of a successful compile
     is reused while nothing it depends on changes (_report_cache)."""
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError("nvcc not found on PATH")
     cache = _report_cache(key, arch, unit_text, compiler)
     if cache.is_file():
-        return parse_ptxas(cache.read_text())
+        return cache.read_text()
     with tempfile.TemporaryDirectory() as tmp:
         unit = Path(tmp) / f"{key}_all.cu"
         unit.write_text(unit_text)
@@ -140,7 +159,7 @@ def _compile_unit(key: str, unit_text: str, arch: str) -> list[KernelResources]:
         aside.replace(cache)
     except OSError:
         pass  # a read-only cache directory only costs the next call a compile
-    return parse_ptxas(run.stderr)
+    return run.stderr
 
 
 def torch_includes(scratch: Path) -> list[Path]:

@@ -498,8 +498,7 @@ def _report_cached(ext) -> bool:
     compile every extension first, so in CI it does)."""
     from cookbook import nvcc_report
 
-    units = "".join(ext.kernel_units().values())  # what compile_extension compiles
-    return nvcc_report._report_cache(ext.name, nvcc_report.DEFAULT_ARCH, units, nvcc_report.nvcc()).is_file()
+    return nvcc_report.report_is_cached(ext.name)
 
 
 def register_rows(op: str, names, keep, compile_names=None) -> tuple[list, list]:

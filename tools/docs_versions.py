@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -283,13 +281,8 @@ _SMEM = re.compile(r"(\d+) bytes smem")
 
 
 def ptxas_shared_bytes(op: str) -> dict[str, int]:
-    """{mangled kernel: static shared bytes}: nvcc_report's compile again, reading the smem ptxas reports."""
-    with tempfile.TemporaryDirectory() as tmp:
-        unit = Path(tmp) / f"{op}_all.cu"
-        unit.write_text(f'#include "{op}.cuh"\nauto const keep_{op} = &cookbook::{op}::launch;\n')
-        cmd = [nvcc_report.nvcc(), *nvcc_report.NVCC_FLAGS, f"-arch={nvcc_report.DEFAULT_ARCH}",
-               f"-I{nvcc_report.KERNEL_DIR}", "-Xptxas", "-v", "-c", str(unit), "-o", str(Path(tmp) / "unit.o")]
-        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    """{mangled kernel: static shared bytes}, from the shared memory ptxas reports (nvcc_report's cached compile)."""
+    log = nvcc_report.ptxas_log(op)
     found, current = {}, None
     for line in log.splitlines():
         if m := re.search(r"Compiling entry function '(\w+)'", line):
