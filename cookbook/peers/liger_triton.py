@@ -7,7 +7,8 @@ patched by Liger run them.
 
 Both write new tensors: ``rms_norm`` returns its output, and ``rope`` rotates the tensors it is
 given once they are contiguous (the normalized ones, here). Their allocations are timed with them.
-``rms_norm`` keeps its default casting mode ("llama": the rstd in float32, the weight product in
+Both are asked for Liger's Triton kernels (``impl="nvidia-triton"``), where Liger would otherwise
+pick among its kernel DSLs. ``rms_norm`` keeps its default casting mode ("llama": the rstd in float32, the weight product in
 the activation dtype). ``rope`` reads cos and sin per token in the Hugging Face layout
 (``[1, T, rope_dim]``, each half repeated, in the activation dtype), which a model computes once
 per forward pass for all its layers: `prepare` gathers them from the contract's cache at the
@@ -24,6 +25,7 @@ from cookbook.peers import guard
 from cookbook.peers.adapter import PeerKernel, describe_layout, peer
 
 DISTRIBUTION = "liger-kernel"
+IMPL = "nvidia-triton"  # Liger dispatches each op to one of its kernel DSLs: its Triton kernels, named
 
 
 @functools.cache
@@ -60,8 +62,8 @@ class RMSNorm(PeerKernel):
         return None
 
     def __call__(self, q, k, q_weight, k_weight, eps, weight_offset, rounding):
-        q_out = self._f.rms_norm(q, q_weight, eps, offset=weight_offset)
-        k_out = self._f.rms_norm(k, k_weight, eps, offset=weight_offset)
+        q_out = self._f.rms_norm(q, q_weight, eps, offset=weight_offset, impl=IMPL)
+        k_out = self._f.rms_norm(k, k_weight, eps, offset=weight_offset, impl=IMPL)
         return q_out, k_out
 
 
@@ -118,9 +120,10 @@ class RMSNormThenRope(PeerKernel):
         cos_sin = self._cos_sin.get(self._key(cos_sin_cache, positions))
         if cos_sin is None:
             cos_sin = hf_cos_sin(cos_sin_cache, positions, position_offset, rope_dim, q.dtype)
-        q_out = self._f.rms_norm(q, q_weight, eps, offset=weight_offset)
-        k_out = self._f.rms_norm(k, k_weight, eps, offset=weight_offset)
-        q_rot, k_rot = self._f.rope(q_out.unsqueeze(0).transpose(1, 2), k_out.unsqueeze(0).transpose(1, 2), *cos_sin)
+        q_out = self._f.rms_norm(q, q_weight, eps, offset=weight_offset, impl=IMPL)
+        k_out = self._f.rms_norm(k, k_weight, eps, offset=weight_offset, impl=IMPL)
+        q_rot, k_rot = self._f.rope(q_out.unsqueeze(0).transpose(1, 2), k_out.unsqueeze(0).transpose(1, 2), *cos_sin,
+                                    impl=IMPL)
         return q_rot.transpose(1, 2).squeeze(0), k_rot.transpose(1, 2).squeeze(0)
 
 

@@ -187,9 +187,12 @@ class TrtllmQKNormRope(PeerKernel):
     api = "sglang.jit_kernel.fused_qknorm_rope.fused_qk_norm_rope"
 
     def __init__(self):
+        from cookbook.ops.qk_norm_rope import ROPE_BASE
+
         package, modules = load()
         super().__init__(package)
         self._fn = modules["trtllm"].fused_qk_norm_rope
+        self._base = ROPE_BASE  # theta of the contract's cos/sin cache
         self._positions = {}  # positions.data_ptr() -> int32 copy (prepared once per argument set)
 
     def not_applicable(self, q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding,
@@ -214,13 +217,11 @@ class TrtllmQKNormRope(PeerKernel):
 
     def __call__(self, q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding,
                  is_neox, rope_dim, position_offset):
-        from cookbook.ops.qk_norm_rope import ROPE_BASE
-
         qkv, v_heads = packed_qkv(q, k)
         position_ids = positions if positions.dtype == torch.int32 else self._positions.get(positions.data_ptr())
         if position_ids is None:
             position_ids = positions.to(torch.int32)
-        self._fn(qkv, q.shape[1], k.shape[1], v_heads, q.shape[2], eps, q_weight, k_weight, ROPE_BASE, is_neox,
+        self._fn(qkv, q.shape[1], k.shape[1], v_heads, q.shape[2], eps, q_weight, k_weight, self._base, is_neox,
                  position_ids, 1.0, 0.0, 0.0, 1.0, rope_dim)  # factor 1.0: plain RoPE (no YaRN); no attention scale
         return q, k
 
