@@ -283,6 +283,9 @@ def test_the_check_reads_a_new_tensor_and_names_its_order():
     assert bench_peers.check(case, FakePeer(reason=reason)) == orders.not_applicable(reason)
 
 
+FOLLOWS_FUSED = "fused order, max 0.5 ulp"
+
+
 def _peer_rows():
     def row(label, impl, median, package=None):
         r = dict(dict.fromkeys(bench.ROW_FIELDS), op="qk_norm", label=label, impl=impl, median_us=median,
@@ -292,10 +295,10 @@ def _peer_rows():
     rows = [row("T=1", "cuda_tuned", 2.0), row("T=1", "sglang_qknorm", 2.5, "sglang 0.5.11"),
             row("T=8", "cuda_tuned", 4.0), row("T=8", "sglang_qknorm", 3.2, "sglang 0.5.11")]
     records = [
-        dict(op="qk_norm", label="T=1", impl="sglang_qknorm", package="sglang 0.5.11", verdict="fused order, max 0.5 ulp"),
+        dict(op="qk_norm", label="T=1", impl="sglang_qknorm", package="sglang 0.5.11", verdict=FOLLOWS_FUSED),
         dict(op="qk_norm", label="T=1", impl="liger_rms_norm", package="liger-kernel 0.8.5",
              verdict="not applicable: q and k are strided views"),
-        dict(op="qk_norm", label="T=8", impl="sglang_qknorm", package="sglang 0.5.11", verdict="fused order, max 0.5 ulp"),
+        dict(op="qk_norm", label="T=8", impl="sglang_qknorm", package="sglang 0.5.11", verdict=FOLLOWS_FUSED),
     ]
     return rows, records
 
@@ -308,7 +311,8 @@ def test_side_by_side_gives_x_against_our_tuned_kernel_and_says_who_is_faster():
     assert "| x vs cuda_tuned |" in table.splitlines()[0]
     assert "0.80x" in table and "1.25x" in table and "not applicable: q and k are strided views" in table
     faster = peers.faster_than_ours()
-    assert faster == ["sglang_qknorm (sglang 0.5.11) is faster than cuda_tuned at T=8: 3.20 us against 4.00 us (1.25x)."]
+    assert faster == ["sglang_qknorm (sglang 0.5.11) is faster than cuda_tuned at T=8: "
+                      "3.20 us against 4.00 us (1.25x)."]
     assert "faster than our tuned kernel" in peers.summary()
     slower = [dict(r, median_us=9.0) if r["package"] else r for r in rows]
     assert bench_peers.SideBySide("qk_norm", slower, records).summary() == (
@@ -344,3 +348,43 @@ def test_x_vs_tuned_is_the_tuned_median_over_the_row():
     t1 = [r for r in rows if r["label"] == "T=1"]
     bench.add_speedups(t1)
     assert t1[1]["x_vs_tuned"] == pytest.approx(0.8) and t1[0]["x_vs_tuned"] == pytest.approx(1.0)
+
+
+class Notes:
+    def __init__(self):
+        self.lines = []
+
+    def write(self, line):
+        self.lines.append(line)
+
+
+def _fake_impl(name, build):
+    import types
+
+    return types.SimpleNamespace(op="qk_norm", name=name, level="peer", version=0, package="fake-package", build=build)
+
+
+def test_a_peer_that_fails_is_reported_once_and_not_retried(monkeypatch):
+    monkeypatch.setattr(bench_peers, "_FAILED", {})
+    case, notes = _cpu_case(), Notes()
+    impl = _fake_impl("broken", _raise(RuntimeError("nvcc failed: cublasLt.h not found")))
+    row, record = bench_peers.bench_peer(case, impl, 1000.0, None, notes)
+    assert row is None and record["status"] == orders.ERROR and "cublasLt.h" in record["verdict"]
+    row, again = bench_peers.bench_peer(case, impl, 1000.0, None, notes)
+    assert row is None and again["verdict"] == (
+        "error: not retried after the error at T=8: RuntimeError: nvcc failed: cublasLt.h not found")
+    assert len(notes.lines) == 1 and notes.lines[0].startswith("!! peer qk_norm T=8 broken: error: RuntimeError")
+
+
+def test_a_disagreeing_peer_gets_no_row_and_a_record(monkeypatch):
+    monkeypatch.setattr(bench_peers, "_FAILED", {})
+    notes = Notes()
+
+    class Wrong(FakePeer):
+        def __call__(self, *args):
+            q, k = super().__call__(*args)
+            return q * 1.01, k
+
+    row, record = bench_peers.bench_peer(_cpu_case(), _fake_impl("wrong", Wrong), 1000.0, None, notes)
+    assert row is None and record["status"] == orders.DISAGREES and record["package"] == "fake-package 1.2"
+    assert record["api"] == "fake.rms_norm" and "not timed" in record["verdict"] and "hf: max" in notes.lines[0]

@@ -23,6 +23,10 @@ from cookbook.peers import guard, orders
 RECORDED_PACKAGES = ("sglang", "flashinfer-python", "liger-kernel", "apache-tvm-ffi", "triton")
 
 
+# Peers that raised in this process ((op, name) -> "<shape>: <error>"): skipped at later shapes.
+_FAILED: dict[tuple[str, str], str] = {}
+
+
 def is_external(impl) -> bool:
     """A peer from another package (installed optionally), as opposed to torch.compile or NCCL."""
     return impl.level == "peer" and impl.package is not None
@@ -43,16 +47,23 @@ def bench_peer(case, impl, copy_gb_per_s, trace, progress) -> tuple[dict | None,
                   impl=impl.name, package=impl.package, api=None, status=None, order=None, max_ulp=None,
                   detail="")  # fmt: skip
     where = f"{record['op']} {record['label']} {impl.name}"
-    try:
-        kernel = impl.build()
-        record.update(package=kernel.label(torch.device("cuda")), api=kernel.api)
-        verdict = check(case, kernel)
-    except Exception as error:  # a failed JIT build or launch: reported, the run goes on
-        verdict = orders.failed(error_text(error))
+    earlier = _FAILED.get((impl.op, impl.name))
+    if earlier is not None:  # a JIT build that failed once fails again, minutes later: not retried
+        verdict = orders.failed(f"not retried after the error at {earlier}")
+    else:
+        try:
+            kernel = impl.build()
+            record.update(package=kernel.label(torch.device("cuda")), api=kernel.api)
+            verdict = check(case, kernel)
+        except Exception as error:  # a failed JIT build or launch: reported, the run goes on
+            verdict = orders.failed(error_text(error))
+            _FAILED[(impl.op, impl.name)] = f"{record['label']}: {verdict.detail}"
+        if verdict.status == orders.ERROR:
+            progress.write(f"!! peer {where}: {verdict.text()}")
+        elif verdict.status == orders.DISAGREES:
+            progress.write(f"!! peer {where}: {verdict.text()}; {verdict.detail}")
     record.update(status=verdict.status, order=verdict.order, max_ulp=verdict.max_ulp, detail=verdict.detail,
                   verdict=verdict.text())
-    if verdict.status in (orders.ERROR, orders.DISAGREES):
-        progress.write(f"!! peer {where}: {verdict.text()} {verdict.detail}")
     if not verdict.timed:
         return None, record
     row = dict(case.base_row, impl=impl.name, level=impl.level, version=impl.version, package=record["package"],

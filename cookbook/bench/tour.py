@@ -85,7 +85,8 @@ def gpu_would_add(ops) -> str:
         lines.append(f"  - runs {op}'s {', '.join(gpu_only)} and its Numba kernels on the real GPU;")
     packages = sorted({impl.package for op in ops for impl in registry.implementations(op, ("peer",)) if impl.package})
     if packages:
-        lines.append(f"  - with the optional peers installed ({', '.join(packages)}: docs/peers.md), sets them side by side;")
+        lines.append(f"  - with the optional peers installed ({', '.join(packages)}: docs/peers.md), "
+                     "sets them side by side;")
     lines += [
         "  - checks each implementation on every benchmark shape, then times it by CUDA-graph replay",
         "    over rotating input sets (median, p20-p80), in GB/s and % of a device-to-device copy",

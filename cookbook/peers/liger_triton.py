@@ -8,8 +8,8 @@ patched by Liger run them.
 Both write new tensors: ``rms_norm`` returns its output, and ``rope`` rotates the tensors it is
 given once they are contiguous (the normalized ones, here). Their allocations are timed with them.
 Both are asked for Liger's Triton kernels (``impl="nvidia-triton"``), where Liger would otherwise
-pick among its kernel DSLs. ``rms_norm`` keeps its default casting mode ("llama": the rstd in float32, the weight product in
-the activation dtype). ``rope`` reads cos and sin per token in the Hugging Face layout
+pick among its kernel DSLs. ``rms_norm`` keeps its default casting mode ("llama": the rstd in
+float32, the weight product in the activation dtype). ``rope`` reads cos and sin per token in the Hugging Face layout
 (``[1, T, rope_dim]``, each half repeated, in the activation dtype), which a model computes once
 per forward pass for all its layers: `prepare` gathers them from the contract's cache at the
 positions, outside the timed calls.
