@@ -38,6 +38,7 @@ class Impl:
     target: str  # "module:attribute"
     lead: str  # what changed, and which bottleneck it removes
     kernel: str | None = None  # ladder layout: its CUDA C file under kernels_cuda/, its own extension
+    package: str | None = None  # peers from another package: its distribution (an optional install)
 
     @property
     def extension(self):
@@ -85,6 +86,9 @@ class Impl:
             return cuda.unavailable()
         if self.level == "peer" and self.name == "torch_compile":
             return None
+        if self.package is not None:  # the peer's import guard (cookbook.peers.adapter.peer)
+            module, attr = self.target.split(":")
+            return getattr(importlib.import_module(module), attr).unavailable()
         return "unknown"
 
 
@@ -101,6 +105,11 @@ def _cuda(op, version, lead):
 def _rung(op, version, kernel, lead):
     """A rung of an op's ladder: kernels_cuda/<op>/<kernel>, built as its own extension."""
     return Impl(op, f"cuda_v{version}", "cuda", version, f"cookbook.cuda:{op}", lead, kernel=f"{op}/{kernel}")
+
+
+def _peer(op, name, package, target, lead):
+    """A kernel of another package, behind an import guard: the factory at cookbook.peers.`target`."""
+    return Impl(op, name, "peer", 0, f"cookbook.peers.{target}", lead, package=package)
 
 
 def _tuned(op, lead):
@@ -133,6 +142,12 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
                "v6's kernel with streaming accesses, a multiply-high row division and the next wave's rows warmed, its shape chosen per call by one named policy"),
         Impl("qk_norm", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
+        _peer("qk_norm", "sglang_qknorm", "sglang", "sglang_jit:qknorm",
+              "SGLang's JIT fused_inplace_qknorm: q and k heads in one launch, in place, a warp per head"),
+        _peer("qk_norm", "flashinfer_rmsnorm", "flashinfer-python", "flashinfer_ops:rmsnorm_per_head",
+              "FlashInfer's rmsnorm on [T, H, D] q, then k: two launches, in place through out="),
+        _peer("qk_norm", "liger_rms_norm", "liger-kernel", "liger_triton:rms_norm_per_head",
+              "Liger-Kernel's Triton rms_norm on rows of head_dim, q then k: two launches, new tensors"),
     ],
     "cross_head_norm": [
         _ref("cross_head_norm", "cookbook.ops.cross_head_norm:reference"),
@@ -156,6 +171,12 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _cuda("cross_head_norm", 14, "v13 with, on the (tokens, 2) grid, rows of 4097 to 8192 bf16 elements with q and k within 2x of each other in width launched in v3's CTA (512 threads x 2 vectors at 8192) instead of v7's four warps x 8 vectors, with v13's warm and without v11's warm-ahead - removes half of v7's 128 KiB per SM requested at once, which in calls of one to a few waves arrives, and then is stored, as one burst per wave (1536 x 8192: 74 -> 85 % of the copy)"),
         Impl("cross_head_norm", "torch_compile", "peer", 0, "cookbook.peers:cross_head_norm_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
+        _peer("cross_head_norm", "sglang_qknorm_across_heads", "sglang", "sglang_jit:qknorm_across_heads",
+              "SGLang's JIT fused_inplace_qknorm_across_heads: q and k rows in one launch, in place"),
+        _peer("cross_head_norm", "flashinfer_rmsnorm", "flashinfer-python", "flashinfer_ops:rmsnorm_across_heads",
+              "FlashInfer's rmsnorm on [T, hidden] q, then k: two launches, in place through out="),
+        _peer("cross_head_norm", "liger_rms_norm", "liger-kernel", "liger_triton:rms_norm_across_heads",
+              "Liger-Kernel's Triton rms_norm on [T, hidden] q, then k: two launches, new tensors"),
     ],
     "qk_norm_rope": [
         _ref("qk_norm_rope", "cookbook.ops.qk_norm_rope:reference"),
@@ -176,6 +197,14 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _cuda("qk_norm_rope", 9, "v8 with the walk's weights held: at prefill the grid is cut to whole tokens per step, so each lane group keeps one head for its whole walk and reads its columns of that head's weight once, before the walk, into registers - removes the two weight loads, and their wait, that v5-v8's walk issued for every row after its sum"),
         Impl("qk_norm_rope", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_rope_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
+        _peer("qk_norm_rope", "sglang_qknorm_rope", "sglang", "sglang_jit:qknorm_rope",
+              "SGLang's JIT diffusion fused_inplace_qknorm_rope: norm and rope from a cos/sin cache, one launch, in place"),
+        _peer("qk_norm_rope", "sglang_trtllm_qknorm_rope", "sglang", "sglang_jit:trtllm_qknorm_rope",
+              "SGLang's JIT fused_qk_norm_rope from TensorRT-LLM: one launch on packed qkv, cos/sin computed from the base"),
+        _peer("qk_norm_rope", "flashinfer_rmsnorm_rope", "flashinfer-python", "flashinfer_ops:rmsnorm_then_rope",
+              "FlashInfer's split path: rmsnorm on q and k, then apply_rope_with_cos_sin_cache_inplace: three launches"),
+        _peer("qk_norm_rope", "liger_rms_norm_rope", "liger-kernel", "liger_triton:rms_norm_then_rope",
+              "Liger-Kernel's Triton rms_norm on q and k, then rope on the new tensors: three launches"),
     ],
     # A collective: every implementation also takes the process group (its last argument).
     "tp_qk_norm": [

@@ -7,6 +7,8 @@
 * `cookbook.bench.tables`: markdown tables and plots of result rows;
 * `cookbook.bench.pages`: metadata (GPU, date, commit, command, build seconds) and the docs'
   results pages;
+* `cookbook.bench.peers`: the peers of other packages (SGLang, FlashInfer, Liger): their verdicts
+  (which rounding order, or why not applicable) and the side-by-side table against our tuned kernel;
 * `cookbook.bench.tour` (``tour``, ``python -m cookbook tour``): the CPU tour under Numba's
   CUDA simulator;
 * `cookbook.bench.tp`: the collective op's benchmark, one process per GPU under torchrun.
@@ -25,7 +27,7 @@ from cookbook.bench.pages import (ROW_FIELDS, RecordedSweep, git_commit, gpu_slu
 from cookbook.bench.sweep import (Progress, ShapeCase, add_speedups, bench_impl, bench_shape, fresh_callable,
                                   prepare_shape, run)
 from cookbook.bench.tables import (LEVEL_MARKERS, MAX_CELL_CHARS, PLOTS, bench_table, draw_lines, largest_family,
-                                   line_style, markdown_table, plot_op, tour_table)
+                                   line_label, line_style, markdown_table, plot_op, tour_table)
 from cookbook.bench.timing import (COPY_BYTES, HIGH_PERCENTILE, L2_FLUSH_FACTOR, LOW_PERCENTILE, MAX_CALLS_PER_REPLAY,
                                    MAX_INPUT_SETS, MIN_INPUT_SETS, TARGET_REPLAY_US, TIMED_REPLAYS, WARMUP_REPLAYS,
                                    Timing, calls_per_replay, capture, copy_bandwidth_gb_per_s, device_copy, l2_bytes,

@@ -17,17 +17,20 @@ from pathlib import Path
 import torch
 
 from cookbook.bench.common import DEFAULT_DTYPE, GB_PER_TB, MIB, REPO_ROOT, dtype_name
+from cookbook.bench.peers import SideBySide
 from cookbook.bench.tables import bench_table, plot_op
 from cookbook.bench.timing import (COPY_BYTES, HIGH_PERCENTILE, L2_FLUSH_FACTOR, LOW_PERCENTILE, MAX_INPUT_SETS,
                                    TIMED_REPLAYS, WARMUP_REPLAYS, l2_bytes)
 
 # Every bench row has these keys (the CSV columns), in this order.
 ROW_FIELDS = (
-    "op", "dtype", "label", "shape", "impl", "level", "version",
+    "op", "dtype", "label", "shape", "impl", "level", "version", "package", "order",
     "agrees", "max_ulp", "agreement", "error",
     "method", "input_sets", "calls_per_replay", "median_us", "p20_us", "p80_us",
-    "bytes_moved", "gb_per_s", "pct_of_copy", "x_vs_eager", "x_vs_compile", "note",
+    "bytes_moved", "gb_per_s", "pct_of_copy", "x_vs_eager", "x_vs_compile", "x_vs_tuned", "note",
 )  # fmt: skip
+# package, order: peers of other packages only ("<distribution> <version>", the rounding order
+# their output follows); x_vs_tuned: over registry.fastest(op), what backend="cuda" runs.
 
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro"}
 
@@ -113,6 +116,9 @@ def write_outputs(rows, meta, out: Path, results_dir: Path | None) -> None:
     for op in dict.fromkeys(row["op"] for row in rows):
         op_rows = [row for row in rows if row["op"] == op]
         print(f"\n{op} ({meta['dtype']}) on {meta['gpu']}, copy {meta['copy_tb_per_s']:.2f} TB/s\n{bench_table(op_rows)}")
+        peers = side_by_side(op, op_rows, meta)
+        if peers is not None:
+            print(f"\n{op}: side by side with the peers\n{peers.table()}\n{peers.summary()}")
         plots = plot_op(op_rows, meta, out)
         if results_dir is not None:
             write_results_page(op, op_rows, meta, plots, results_dir)
@@ -155,6 +161,17 @@ def recorded_sweeps(op, results_dir, gpu_slug=None) -> list[RecordedSweep]:
     return found
 
 
+def side_by_side(op, rows, meta) -> SideBySide | None:
+    """The op's peers against our tuned kernel, where peers of other packages ran (else None)."""
+    records = [record for record in meta.get("peers", {}).get("verdicts", []) if record["op"] == op]
+    return SideBySide(op, rows, records) if records else None
+
+
+def _peer_versions(meta) -> str:
+    packages = meta["peers"]["packages"]
+    return ", ".join(f"{name} {version}" for name, version in packages.items() if version) or "none installed"
+
+
 def write_results_page(op, rows, meta, plots: dict, results_dir: Path) -> None:
     """docs/results/<stem>.md (header and table), <stem>_<plot>.png and <stem>.json."""
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -175,12 +192,16 @@ def write_results_page(op, rows, meta, plots: dict, results_dir: Path) -> None:
         f"- command: `{meta['command']}`",
         f"- device-to-device copy ({COPY_BYTES // MIB} MiB, bytes read + written): {meta['copy_tb_per_s']:.2f} TB/s",
         f"- timing: {meta['timing']}",
+        *([f"- peers: {_peer_versions(meta)}"] if "peers" in meta else []),
         "",
         bench_table(rows),
         "",
         *images,
         "",
     ]
+    peers = side_by_side(op, rows, meta)
+    if peers is not None:
+        page += [peers.section(), ""]
     (results_dir / f"{stem}.md").write_text("\n".join(page))
     (results_dir / f"{stem}.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
     print(f"wrote {results_dir / (stem + '.md')}")

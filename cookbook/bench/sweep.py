@@ -16,6 +16,7 @@ from cookbook.bench.common import (AGREEMENT_SEED, BENCH_ROUNDING, BYTES_PER_GB,
                                    EAGER, GB_PER_TB, MIB, call_by_name, checked, dtype_name, error_text, expected_outputs,
                                    positional, resolve_dtype, resolve_ops, run_and_compare, select_shapes,
                                    split_available)
+from cookbook.bench import peers as bench_peers
 from cookbook.bench.pages import ROW_FIELDS, metadata, write_outputs
 from cookbook.bench.timing import (MEMORY_FRACTION, copy_bandwidth_gb_per_s, l2_bytes, measure, rotating_set_count,
                                    storage_bytes, summarize)
@@ -80,6 +81,12 @@ class ShapeCase:
     arg_sets: list  # rotating input sets, each as positional arguments
     make_inputs: functools.partial  # fresh, seeded inputs for the agreement check
     expected: dict  # what the agreement check compares with (computed once, on the CPU)
+    _oracles: dict | None = None  # every rounding order's reference, for the peers (on first use)
+
+    def oracles(self) -> dict:
+        if self._oracles is None:
+            self._oracles = bench_peers.oracles_of(self.contract, self.make_inputs())
+        return self._oracles
 
 
 def prepare_shape(op, contract, shape, dtype) -> ShapeCase:
@@ -97,14 +104,22 @@ def prepare_shape(op, contract, shape, dtype) -> ShapeCase:
     return ShapeCase(contract, base, arg_sets, make, expected_outputs(contract, make(), BENCH_ROUNDING))
 
 
-def bench_shape(op, contract, shape, dtype, impls, copy_gb_per_s, progress, trace_dir=None) -> list[dict]:
-    """Check, then time, every implementation in `impls` on one shape; one row each."""
+def bench_shape(op, contract, shape, dtype, impls, copy_gb_per_s, progress, trace_dir=None,
+                peer_records=None) -> list[dict]:  # fmt: skip
+    """Check, then time, every implementation in `impls` on one shape; one row each, except the
+    peers of other packages: a row where timed, and always a verdict record in `peer_records`."""
     case = prepare_shape(op, contract, shape, dtype)
     rows = []
     for impl in impls:
         progress.begin(f"{op} {case.base_row['label']} {impl.name}")
         trace = None if trace_dir is None else Path(trace_dir) / f"trace_{op}_{dtype_name(dtype)}_{impl.name}.json"
-        rows.append(bench_impl(case, impl, copy_gb_per_s, trace, progress))
+        if bench_peers.is_external(impl):
+            row, record = bench_peers.bench_peer(case, impl, copy_gb_per_s, trace, progress)
+            rows += [row] if row is not None else []
+            if peer_records is not None:
+                peer_records.append(record)
+        else:
+            rows.append(bench_impl(case, impl, copy_gb_per_s, trace, progress))
         progress.end()
     add_speedups(rows)
     return rows
@@ -135,12 +150,14 @@ def bench_impl(case: ShapeCase, impl, copy_gb_per_s, trace, progress) -> dict:
 
 
 def add_speedups(rows) -> None:
-    """x vs eager / x vs compile: the baseline's median over this row's (> 1: faster)."""
+    """x vs eager / compile / tuned: the baseline's median over this row's (> 1: faster); the
+    tuned baseline is what backend="cuda" runs (registry.fastest)."""
     medians = {row["impl"]: row["median_us"] for row in rows if row["median_us"]}
     for row in rows:
         if not row["median_us"]:
             continue
-        for column, baseline in (("x_vs_eager", EAGER), ("x_vs_compile", COMPILED)):
+        tuned = registry.fastest(row["op"]).name
+        for column, baseline in (("x_vs_eager", EAGER), ("x_vs_compile", COMPILED), ("x_vs_tuned", tuned)):
             if baseline in medians:
                 row[column] = medians[baseline] / row["median_us"]
 
@@ -160,30 +177,39 @@ def run(ops=None, dtype=DEFAULT_DTYPE, shapes="full", out="bench_out", *, profil
     copy_gb_per_s = copy_bandwidth_gb_per_s()
     print(f"device-to-device copy ({COPY_BYTES // MIB} MiB, graph replay): {copy_gb_per_s / GB_PER_TB:.2f} TB/s")
     progress = Progress(sum(len(shape_list) * len(impls) for _, _, shape_list, impls in plan))
-    rows = []
+    rows, peer_records = [], []
     for op, contract, shape_list, impls in plan:
         profiled = _largest_shape(contract, shape_list, dtype) if profile else None
         for shape in shape_list:
             trace_dir = out if shape == profiled else None
-            rows += bench_shape(op, contract, shape, dtype, impls, copy_gb_per_s, progress, trace_dir)
+            rows += bench_shape(op, contract, shape, dtype, impls, copy_gb_per_s, progress, trace_dir, peer_records)
             torch.cuda.empty_cache()  # the rotating sets of this shape are garbage now
     progress.close()
     meta = metadata(command or f"cookbook.bench.run(ops={ops}, dtype={dtype_name(dtype)}, shapes={shapes!r})",
                     copy_gb_per_s, dtype)
+    if peer_records:  # peers of other packages ran: their versions and verdicts go on the pages
+        meta["peers"] = bench_peers.peer_metadata(peer_records)
     write_outputs(rows, meta, out, Path(results_dir) if write_results else None)
     return rows
 
 
 def _plan(ops, shapes) -> list[tuple]:
-    """[(op, contract, shapes, runnable implementations)]; prints what will not run, and why."""
-    plan = []
+    """[(op, contract, shapes, runnable implementations)]; prints what will not run, and why
+    (peers whose package is not installed: one line for the whole run)."""
+    plan, not_installed = [], []
     for op in ops:
         contract = registry.contract(op)
         runnable, skipped = split_available(op, DEVICE)
         runnable, broken = build_cuda_kernels(op, runnable)
         for impl, reason in skipped + broken:
-            print(f"{op}: not benchmarked: {impl.name} ({reason})")
+            if bench_peers.is_external(impl) and bench_peers.guard.is_not_installed(reason):
+                not_installed.append((impl, reason))
+            else:
+                print(f"{op}: not benchmarked: {impl.name} ({reason})")
         plan.append((op, contract, select_shapes(contract.BENCH_SHAPES, shapes), runnable))
+    note = bench_peers.not_installed_note(not_installed)
+    if note:
+        print(note)
     return plan
 
 

@@ -89,12 +89,18 @@ def line_style(index: int, impl: str) -> dict:
                 marker=LEVEL_MARKERS.get("tuned" if impl.endswith("_tuned") else impl.split("_")[0], "D"))
 
 
+def line_label(rows, impl: str) -> str:
+    """A plot's name for an implementation: peers of other packages carry their package version."""
+    package = next((row.get("package") for row in rows if row["impl"] == impl and row.get("package")), None)
+    return f"{impl} ({package})" if package else impl
+
+
 def draw_lines(ax, family, column: str, ylabel: str) -> None:
     """On `ax`, `column` of a shape family against tokens, one line per implementation (plot_op and
     the notebooks draw with it)."""
     for i, impl in enumerate(dict.fromkeys(row["impl"] for row in family)):
         points = sorted((_tokens(r), r[column]) for r in family if r["impl"] == impl)
-        ax.plot(*zip(*points), label=impl, **line_style(i, impl))
+        ax.plot(*zip(*points), label=line_label(family, impl), **line_style(i, impl))
     if column == "pct_of_copy":
         ax.axhline(100, color="gray", linestyle="--", linewidth=1, label="device copy")
     else:

@@ -53,7 +53,7 @@ def tour(ops=None, shapes=None, dtypes=TOUR_DTYPES, roundings=ROUNDINGS, echo=pr
         for row in op_rows:
             if not row["agrees"]:
                 echo(f"  FAIL {row['label']} {row['dtype']} {row['rounding']}: {row['agreement']}")
-        not_here += [impl.name for impl, _ in skipped]
+        not_here += [impl.name for impl, _ in skipped if impl.package is None]  # peers: one line in gpu_would_add
         rows += op_rows
     failed = sum(not row["agrees"] for row in rows)
     echo(f"\n{len(rows) - failed} of {len(rows)} runs agree with the contract." + (" FAILURES above." if failed else ""))
@@ -86,8 +86,12 @@ def gpu_would_add(ops) -> str:
     """What `python -m cookbook bench` adds on a CUDA GPU, named from the registry."""
     lines = ["\nOn a CUDA GPU, `python -m cookbook bench` also:"]
     for op in ops:
-        gpu_only = [impl.name for impl in registry.implementations(op, ("cuda", "tuned", "peer"))]
+        gpu_only = [impl.name for impl in registry.implementations(op, ("cuda", "tuned", "peer")) if impl.package is None]
         lines.append(f"  - runs {op}'s {', '.join(gpu_only)} and its Numba kernels on the real GPU;")
+    packages = sorted({impl.package for op in ops for impl in registry.implementations(op, ("peer",)) if impl.package})
+    if packages:
+        lines.append(f"  - with the optional peers installed ({', '.join(packages)}: docs/peers.md), "
+                     "sets them side by side;")
     lines += [
         "  - checks each implementation on every benchmark shape, then times it by CUDA-graph replay",
         "    over rotating input sets (median, p20-p80), in GB/s and % of a device-to-device copy",

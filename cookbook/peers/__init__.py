@@ -2,6 +2,13 @@
 
 Each peer is a factory returning a fresh callable with the registry's calling convention, so
 the benchmark compiles one per shape (static shapes, no recompile limit to hit).
+
+Here: torch.compile of the references and the collective op's all-gather baseline. The kernels of
+other packages, each behind an import guard (`cookbook.peers.guard`) and called through
+`cookbook.peers.adapter.PeerKernel`: SGLang's JIT kernels (`sglang_jit`), FlashInfer's norm and
+RoPE (`flashinfer_ops`) and Liger-Kernel's Triton ones (`liger_triton`); `cookbook.peers.orders`
+says which rounding order a peer's output follows. docs/peers.md tells how each is installed and
+loaded.
 """
 
 from __future__ import annotations
