@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
                        help="also write a torch.profiler chrome trace of each implementation at the largest shape")
     bench.add_argument("--results-dir", default="docs/results", help="where the docs' results pages go")
     bench.add_argument("--no-results", action="store_true", help="do not write the docs' results pages")
+    bench.add_argument("--impls", nargs="+", metavar="NAME",
+                       help="only these implementations: names, levels (tuned, peer, ...) or 'fastest'")
+    bench.add_argument("--tag", help="name the results pages <op>_<gpu>_<tag> (a partial sweep beside the full one)")
     bench.add_argument("--nproc", type=int, default=None,
                        help="GPUs (ranks) for the collective op tp_qk_norm, run under torchrun (default: 2)")
     tour = commands.add_parser("tour", help="the CPU tour under Numba's CUDA simulator")
@@ -95,6 +98,8 @@ def main(argv=None) -> int:
         results_dir=args.results_dir,
         write_results=not args.no_results,
         command=shlex.join(["python", "-m", "cookbook", *argv]),
+        impls=args.impls,
+        tag=args.tag,
     )
     return max(exit_status(rows), status)
 

@@ -221,3 +221,14 @@ def test_copy_by_shape_without_a_gpu_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert copy_by_shape.main([]) == 0
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_a_partial_sweep_names_what_it_times_and_writes_beside_the_full_one():
+    from cookbook.bench import sweep
+
+    names = [impl.name for impl in sweep.select_impls("qk_norm", ["fastest", "peer"])]
+    assert "cuda_tuned" in names and "torch_compile" in names and "cuda_v3" not in names
+    assert [impl.name for impl in sweep.select_impls("qk_norm", ["cuda_v3"])] == ["cuda_v3"]
+    meta = {"gpu_slug": "h200", "dtype": "bfloat16"}
+    assert bench.results_stem("qk_norm", meta) == "qk_norm_h200"
+    assert bench.results_stem("qk_norm", dict(meta, tag="peers")) == "qk_norm_h200_peers"

@@ -126,9 +126,12 @@ def write_outputs(rows, meta, out: Path, results_dir: Path | None) -> None:
 
 
 def results_stem(op: str, meta: dict) -> str:
-    """`<op>_<gpu>` for the default dtype (the names the docs link to), `<op>_<gpu>_<dtype>` else."""
+    """`<op>_<gpu>` for the default dtype (the names the docs link to), `<op>_<gpu>_<dtype>` else;
+    a partial sweep's tag last (`<op>_<gpu>_peers`)."""
     stem = f"{op}_{meta['gpu_slug']}"
-    return stem if meta["dtype"] == dtype_name(DEFAULT_DTYPE) else f"{stem}_{meta['dtype']}"
+    if meta["dtype"] != dtype_name(DEFAULT_DTYPE):
+        stem += f"_{meta['dtype']}"
+    return f"{stem}_{meta['tag']}" if meta.get("tag") else stem
 
 
 @dataclasses.dataclass(frozen=True)

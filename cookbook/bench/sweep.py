@@ -163,17 +163,19 @@ def add_speedups(rows) -> None:
 
 
 def run(ops=None, dtype=DEFAULT_DTYPE, shapes="full", out="bench_out", *, profile=False,
-        results_dir="docs/results", write_results=True, command=None) -> list[dict]:  # fmt: skip
+        results_dir="docs/results", write_results=True, command=None, impls=None, tag=None) -> list[dict]:  # fmt: skip
     """Benchmark every registered implementation on the GPU; returns the result rows (dicts with
     the keys of ROW_FIELDS) and writes them, tables and plots to `out` (and, with
-    `write_results`, the docs pages to `results_dir`)."""
+    `write_results`, the docs pages to `results_dir`). `impls` keeps only the implementations it
+    names (`select_impls`); `tag` names the pages `<op>_<gpu>_<tag>` so a partial sweep never
+    replaces the full one."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench.run needs a CUDA GPU; on a CPU, bench.tour() checks the implementations")
     dtype = resolve_dtype(dtype)
     ops = [op for op in resolve_ops(ops) if op not in registry.DISTRIBUTED_OPS]  # collectives: cookbook.bench.tp
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    plan = _plan(ops, shapes)
+    plan = _plan(ops, shapes, impls)
     copy_gb_per_s = copy_bandwidth_gb_per_s()
     print(f"device-to-device copy ({COPY_BYTES // MIB} MiB, graph replay): {copy_gb_per_s / GB_PER_TB:.2f} TB/s")
     progress = Progress(sum(len(shape_list) * len(impls) for _, _, shape_list, impls in plan))
@@ -187,19 +189,34 @@ def run(ops=None, dtype=DEFAULT_DTYPE, shapes="full", out="bench_out", *, profil
     progress.close()
     meta = metadata(command or f"cookbook.bench.run(ops={ops}, dtype={dtype_name(dtype)}, shapes={shapes!r})",
                     copy_gb_per_s, dtype)
+    if tag:
+        meta["tag"] = tag
     if peer_records:  # peers of other packages ran: their versions and verdicts go on the pages
         meta["peers"] = bench_peers.peer_metadata(peer_records)
     write_outputs(rows, meta, out, Path(results_dir) if write_results else None)
     return rows
 
 
-def _plan(ops, shapes) -> list[tuple]:
+def select_impls(op, names) -> list:
+    """The implementations of `op` that `names` names: an implementation's name, a level
+    ("peer", "tuned"), or "fastest" (what `backend="cuda"` runs). None: all of them."""
+    if names is None:
+        return registry.implementations(op)
+    fastest = registry.fastest(op).name
+    return [impl for impl in registry.implementations(op)
+            if impl.name in names or impl.level in names or ("fastest" in names and impl.name == fastest)]
+
+
+def _plan(ops, shapes, impls=None) -> list[tuple]:
     """[(op, contract, shapes, runnable implementations)]; prints what will not run, and why
     (peers whose package is not installed: one line for the whole run)."""
     plan, not_installed = [], []
     for op in ops:
         contract = registry.contract(op)
+        wanted = {impl.name for impl in select_impls(op, impls)}
         runnable, skipped = split_available(op, DEVICE)
+        runnable = [impl for impl in runnable if impl.name in wanted]
+        skipped = [(impl, reason) for impl, reason in skipped if impl.name in wanted]
         runnable, broken = build_cuda_kernels(op, runnable)
         for impl, reason in skipped + broken:
             if bench_peers.is_external(impl) and bench_peers.guard.is_not_installed(reason):
