@@ -44,6 +44,7 @@ Bytes moved: q and k are read once and written once; the weights once per launch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -130,8 +131,8 @@ def rstd_of(mean_sq, eps):
     is NaN or +Inf (a NaN or Inf in the row, or a sum of squares past the accumulator's range), so
     the whole row comes out NaN rather than silently zero."""
     denom = mean_sq + eps
-    rstd = torch.where(denom.isfinite(), torch.rsqrt(denom), torch.full_like(denom, float("nan")))
-    return torch.where(denom == 0, torch.zeros_like(denom), rstd)
+    rstd = torch.rsqrt(denom).masked_fill(denom == 0, 0.0)  # rsqrt(0) = inf would make x * rstd NaN
+    return rstd.masked_fill(denom == math.inf, math.nan)  # rsqrt(inf) = 0 would hide the Inf
 
 
 def scale_rows(xf, rstd, w, weight_offset, rounding, out_dtype):
