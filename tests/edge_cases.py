@@ -36,7 +36,7 @@ Q_HEADS, K_HEADS, HEAD_DIM = 3, 2, 64
 CROSS_TOKENS, Q_HIDDEN, K_HIDDEN = 5, 64, 32  # cross-head ops: a row per token, 5 in q and 5 in k
 EDGE_DTYPES = (torch.float32, torch.bfloat16)  # float32's exponent range: squares can leave float32
 FLOAT32_MAX = torch.finfo(torch.float32).max
-SQUARE_UNDERFLOW = 2.0**-75  # |x| below this: x * x rounds to 0 in float32
+SQUARE_UNDERFLOW = 2.0**-75  # |x| at most this: x * x rounds to 0 in float32
 
 
 def make_inputs(op, dtype, device, *, seed=0, heads=(Q_HEADS, K_HEADS)):
@@ -49,13 +49,18 @@ def make_inputs(op, dtype, device, *, seed=0, heads=(Q_HEADS, K_HEADS)):
     return contract.make_inputs(CROSS_TOKENS, Q_HIDDEN, K_HIDDEN, dtype, device, seed=seed)
 
 
-def call_api(op, inputs, backend, **kwargs):
-    """The public op on `inputs` (make_inputs' dict, possibly altered)."""
+def api_arguments(inputs):
+    """make_inputs' dict as the public op's keyword arguments (qk_norm_rope's `rope` unpacked)."""
     inputs = dict(inputs)
     rope = inputs.pop("rope", None)
     if rope is not None:
-        kwargs.update(is_neox=rope.is_neox, rope_dim=rope.rope_dim, position_offset=rope.position_offset)
-    return API[op](**inputs, **kwargs, backend=backend)
+        inputs.update(is_neox=rope.is_neox, rope_dim=rope.rope_dim, position_offset=rope.position_offset)
+    return inputs
+
+
+def call_api(op, inputs, backend, **kwargs):
+    """The public op on `inputs` (make_inputs' dict, possibly altered)."""
+    return API[op](**api_arguments(inputs), **kwargs, backend=backend)
 
 
 def run_impl(op, impl, inputs, eps, weight_offset=0.0, rounding="fused"):

@@ -17,8 +17,8 @@ import torch
 from cookbook import _checks as C
 from cookbook import registry
 from cookbook.testing import agreement
-from edge_cases import (acceptances, API, call_api, check_edge_rows, check_zero_heads, EDGE_DTYPES, exact, make_inputs,
-                        NAMES, OPS, PER_HEAD_OPS, rejections)
+from edge_cases import (acceptances, API, api_arguments, call_api, check_edge_rows, check_zero_heads, EDGE_DTYPES,
+                        exact, make_inputs, NAMES, OPS, PER_HEAD_OPS, rejections)
 from helpers import assert_rejected_untouched, BACKENDS, DEVICE, require
 
 LEVELS = ("reference", "numba")  # here; the CUDA C levels run in test_gpu_edge_cases.py
@@ -36,10 +36,7 @@ def _cases(make_cases):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op,label,make,fragment", _cases(rejections))
 def test_rejected_untouched(op, label, make, fragment, backend):
-    args = make()
-    rope = args.pop("rope", None)
-    extra = {} if rope is None else dict(is_neox=rope.is_neox, rope_dim=rope.rope_dim, position_offset=rope.position_offset)
-    assert_rejected_untouched(API[op], args, ValueError, fragment, backend=backend, **extra)
+    assert_rejected_untouched(API[op], api_arguments(make()), ValueError, fragment, backend=backend)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ import torch
 
 from cookbook import api, registry
 from cookbook.testing import agreement
-from edge_cases import (acceptances, API, call_api, check_edge_rows, check_zero_heads, exact, NAMES, OPS, PER_HEAD_OPS,
-                        rejections)
+from edge_cases import (acceptances, API, api_arguments, call_api, check_edge_rows, check_zero_heads, exact, NAMES,
+                        OPS, PER_HEAD_OPS, rejections)
 from helpers import assert_rejected_untouched, ON_GPU, require
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -59,10 +59,7 @@ def test_zero_heads(op, impl, heads):
 @pytest.mark.parametrize("backend", ["cuda", "auto"])
 @pytest.mark.parametrize("op,label,make,fragment", _cases(rejections))
 def test_rejected_untouched(op, label, make, fragment, backend):
-    args = make()
-    rope = args.pop("rope", None)
-    extra = {} if rope is None else dict(is_neox=rope.is_neox, rope_dim=rope.rope_dim, position_offset=rope.position_offset)
-    assert_rejected_untouched(API[op], args, ValueError, fragment, backend=backend, **extra)
+    assert_rejected_untouched(API[op], api_arguments(make()), ValueError, fragment, backend=backend)
 
 
 @pytest.mark.parametrize("op,label,make,new_to_kernels", _cases(acceptances))
@@ -79,15 +76,12 @@ def test_accepted_and_right(op, label, make, new_to_kernels):
 def test_compiled_op_checks_memory_when_the_graph_runs(op):
     """Tracing cannot see addresses; the opaque op checks them when it runs, before any write."""
     label, make, fragment = next(case for case in rejections(op, device="cuda") if case[0] == "k is q")
-    args = make()
-    rope = args.pop("rope", None)
-    extra = {} if rope is None else dict(is_neox=rope.is_neox, rope_dim=rope.rope_dim, position_offset=rope.position_offset)
 
     @torch.compile(fullgraph=True)
     def step(**kwargs):
-        return API[op](**kwargs, **extra, backend="cuda")
+        return API[op](**kwargs, backend="cuda")
 
-    assert_rejected_untouched(step, args, ValueError, fragment)
+    assert_rejected_untouched(step, api_arguments(make()), ValueError, fragment)
 
 
 def _build_every_compiled_implementation():
