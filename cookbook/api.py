@@ -27,9 +27,17 @@ _BACKENDS_DOC = """backend: "auto" (default) runs the tuned CUDA C kernel on CUD
             "reference" the PyTorch reference, on any device."""
 
 
-def _as_op(name: str, run, mutates=("q", "k")):
-    """`run` as the custom op cookbook::<name> (what torch.compile sees), with its fake kernel."""
-    op = torch.library.custom_op(f"cookbook::{name}", run, mutates_args=mutates)
+def _as_op(name: str, run, check_in_place, mutates=("q", "k")):
+    """`run` as the custom op cookbook::<name> (what torch.compile sees), with its fake kernel.
+    The op runs `check_in_place(*args)` first: tracing skips the memory checks (traced tensors
+    have no addresses), so they run on the real tensors when the graph runs."""
+
+    @functools.wraps(run)
+    def checked_run(*args):
+        check_in_place(*args)
+        run(*args)
+
+    op = torch.library.custom_op(f"cookbook::{name}", checked_run, mutates_args=mutates)
 
     @op.register_fake
     def _(*args):
@@ -84,7 +92,8 @@ def _run_qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     registry.resolve("qk_norm", backend, q.device).fn(q, k, q_weight, k_weight, eps, weight_offset, rounding)
 
 
-_qk_norm_op = _as_op("qk_norm_dispatch", _run_qk_norm)
+_qk_norm_op = _as_op("qk_norm_dispatch", _run_qk_norm,
+                     lambda q, k, q_weight, k_weight, *_: qk_norm_contract.check_in_place(q, k, q_weight, k_weight))
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,7 +133,9 @@ def _run_cross_head_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tenso
     registry.resolve("cross_head_norm", backend, q.device).fn(q, k, q_weight, k_weight, eps, weight_offset, rounding)
 
 
-_cross_head_norm_op = _as_op("cross_head_norm_dispatch", _run_cross_head_norm)
+_cross_head_norm_op = _as_op(
+    "cross_head_norm_dispatch", _run_cross_head_norm,
+    lambda q, k, q_weight, k_weight, *_: cross_head_norm_contract.check_in_place(q, k, q_weight, k_weight))
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,7 +190,10 @@ def _run_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, 
         position_offset)
 
 
-_qk_norm_rope_op = _as_op("qk_norm_rope_dispatch", _run_qk_norm_rope)
+_qk_norm_rope_op = _as_op(
+    "qk_norm_rope_dispatch", _run_qk_norm_rope,
+    lambda q, k, q_weight, k_weight, cos_sin_cache, positions, *_: qk_norm_rope_contract.check_in_place(
+        q, k, q_weight, k_weight, cos_sin_cache, positions))
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,7 +262,8 @@ def _run_tp_qk_norm_by_group_name(q: torch.Tensor, k: torch.Tensor, q_weight: to
     _run_tp_qk_norm(tp_contract.TPQKNormArgs(q, k, q_weight, k_weight, eps, weight_offset, rounding, group), backend)
 
 
-_tp_qk_norm_op = _as_op("tp_qk_norm_dispatch", _run_tp_qk_norm_by_group_name)
+_tp_qk_norm_op = _as_op("tp_qk_norm_dispatch", _run_tp_qk_norm_by_group_name,
+                        lambda q, k, q_weight, k_weight, *_: tp_contract.check_in_place(q, k, q_weight, k_weight))
 
 FIRST_FUSED_VERSION = 2  # tp_qk_norm's cuda_v1 is the three-launch NCCL pipeline; v2 on, one kernel per call
 

@@ -8,7 +8,7 @@ coalesced). Two passes over the row:
 
 1. each thread adds up x^2 of its elements in float32; `block_sum` gives every thread the row's
    sum_sq; rstd = rsqrt(sum_sq / H + eps), or 0 where sum_sq / H + eps == 0 (eps=0 zero rows
-   stay 0, not NaN);
+   stay 0, not NaN), or NaN where it is NaN or +Inf (`rstd_from`: the whole row NaN);
 2. each thread reads its elements again and writes y = x * rstd * (w + weight_offset), rounded
    once (rounding="fused"), or in the Hugging Face order (rounding="hf"):
    n = round(x * rstd), y = round(n * round(w + weight_offset)).

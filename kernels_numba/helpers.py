@@ -199,19 +199,29 @@ rsqrt = _rsqrt_sim if SIMULATOR else _rsqrt_gpu
 
 @cuda.jit(device=True)
 def rstd_from(sum_sq, width, eps):
-    """rsqrt(sum_sq / width + eps), or 0 where that is 0 (eps=0 zero rows stay 0, not NaN)."""
+    """rsqrt(sum_sq / width + eps), with `rstd_from_mean`'s 0 and NaN cases."""
     return rstd_from_mean(sum_sq / width, eps)
+
+
+FLOAT32_INF = np.float32(np.inf)
+FLOAT32_NAN = np.float32(np.nan)
 
 
 @cuda.jit(device=True)
 def rstd_from_mean(mean_sq, eps):
-    """rsqrt(mean_sq + eps), or 0 where that is 0. For kernels that form the mean as
-    sum_sq * (1 / width), with the reciprocal from the host: one multiply instead of a float32
-    division (a reciprocal, a refinement and a slow-path check) per row, as torch's CUDA mean
-    does; it may differ from sum_sq / width in the last bit where width is not a power of two."""
+    """rsqrt(mean_sq + eps); 0 where that is 0 (eps=0 zero rows stay 0, not NaN); NaN where it is
+    NaN or +Inf (a NaN or Inf in the row, or a sum of squares past float32), so the whole row
+    comes out NaN, as `rstd_from` in kernels_cuda/include/common.cuh does.
+
+    For kernels that form the mean as sum_sq * (1 / width), with the reciprocal from the host:
+    one multiply instead of a float32 division (a reciprocal, a refinement and a slow-path check)
+    per row, as torch's CUDA mean does; it may differ from sum_sq / width in the last bit where
+    width is not a power of two."""
     mean_sq_eps = mean_sq + eps
-    rstd = np.float32(0.0)
-    if mean_sq_eps > 0:
+    rstd = FLOAT32_NAN
+    if mean_sq_eps == 0:
+        rstd = np.float32(0.0)
+    elif mean_sq_eps < FLOAT32_INF:  # false for NaN too
         rstd = rsqrt(mean_sq_eps)
     return rstd
 
@@ -554,6 +564,15 @@ def word_views(*tensors):
     if tensors[0].dtype != torch.bfloat16 or not all(has_word_view(t) for t in tensors if t.dtype == torch.bfloat16):
         return None
     return [t.view(torch.int32) if t.dtype == torch.bfloat16 else t for t in tensors]
+
+
+def q_rows_first(q, k, q_weight, k_weight):
+    """(q, k, q_weight, k_weight), or with k and q swapped where q has no heads: the per-head
+    kernels give warps past the last row a dummy row of q (no row of an empty q exists, and the
+    simulator indexes it), and they treat q's rows and k's alike, so the swap is exact."""
+    if q.shape[1] == 0:
+        return k, q, k_weight, q_weight
+    return q, k, q_weight, k_weight
 
 
 def same_weight_storage(q_weight, k_weight):

@@ -8,7 +8,7 @@ reads elements l, l + 32, l + 64, ... of its row, so the warp's 32 loads are nei
 
 1. each lane adds up x^2 of its elements in float32; `warp_sum` gives every lane the row's
    sum_sq; rstd = rsqrt(sum_sq / D + eps), or 0 where sum_sq / D + eps == 0 (eps=0 zero rows
-   stay 0, not NaN);
+   stay 0, not NaN), or NaN where it is NaN or +Inf (`rstd_from`: the whole row NaN);
 2. each lane reads its elements again and writes y = x * rstd * (w + weight_offset), rounded
    once (rounding="fused"), or in the Hugging Face order (rounding="hf"):
    n = round(x * rstd), y = round(n * round(w + weight_offset)).
@@ -28,8 +28,8 @@ import numpy as np
 from numba import cuda
 
 from kernels_numba.helpers import (CODEC_OF, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE, bf16x2_decode, bf16x2_encode,
-                                   contiguous_row, lane_group_sum, launch, make_word_normed, row_lanes, rstd_from,
-                                   rstd_from_mean, same_weight_storage, warp_row, warp_sum, word_views)
+                                   contiguous_row, lane_group_sum, launch, make_word_normed, q_rows_first, row_lanes,
+                                   rstd_from, rstd_from_mean, same_weight_storage, warp_row, warp_sum, word_views)
 
 WARPS_PER_BLOCK = 4  # rows per block
 THREADS = WARP_SIZE * WARPS_PER_BLOCK
@@ -204,6 +204,7 @@ def qk_norm_v3(q, k, q_weight, k_weight, eps, weight_offset, rounding):
     Runs v2 instead where the word path cannot apply: activations not bf16, a head_dim whose
     16-byte lane slices do not tile a warp (`v3_row_lanes`), or a bf16 q, k or weight with no
     int32 view (an odd storage offset or stride, e.g. a fused-qkv view at an odd column)."""
+    q, k, q_weight, k_weight = q_rows_first(q, k, q_weight, k_weight)
     q_weight, k_weight = same_weight_storage(q_weight, k_weight)
     head_dim = q.shape[2]
     words = word_views(q, k, q_weight, k_weight)
@@ -239,6 +240,7 @@ def _launch(factory, specialization, q, k, q_weight, k_weight, eps, weight_offse
     rows = q.shape[0] * (q.shape[1] + k.shape[1])
     if rows == 0:
         return
+    q, k, q_weight, k_weight = q_rows_first(q, k, q_weight, k_weight)
     q_weight, k_weight = same_weight_storage(q_weight, k_weight)
     kernel = factory(CODEC_OF[q.dtype], CODEC_OF[q_weight.dtype], *specialization)
     warps = min(WARPS_PER_BLOCK, rows)  # a tiny launch keeps its block small (and the simulator quick)

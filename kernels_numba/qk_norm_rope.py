@@ -12,7 +12,8 @@ in `kernels_numba.qk_norm` (q rows first, then k rows). Lane l owns the elements
 j = 0, 1, ...: column c = l + 32 j (neighbouring lanes, neighbouring memory: coalesced).
 
 1. each lane reads its elements once into a local array, adds up x^2 in float32; `warp_sum`
-   gives every lane the row's sum_sq; rstd = rsqrt(sum_sq / D + eps) (0 where that is 0);
+   gives every lane the row's sum_sq; rstd = rsqrt(sum_sq / D + eps) (0 where that is 0, NaN
+   where it is NaN or +Inf: `rstd_from`);
 2. each lane normalizes its elements in place: n = x * rstd * (w + weight_offset) (float32,
    unrounded for rounding="fused"; qk_norm's Hugging Face order for "hf");
 3. the rotation of column c < rope_dim needs its partner's n, which another lane holds:
@@ -40,8 +41,8 @@ from numba import cuda
 # FLOAT_TABLE and WORD_TABLE are re-exported for tools/numba_ptx.py.
 from kernels_numba.helpers import (CODEC_OF, FLOAT_TABLE, MAX_THREADS_PER_BLOCK, TABLE_OF, WARP_SIZE,  # noqa: F401
                                    WORD_TABLE, bf16_round_to, bf16x2_decode, bf16x2_encode, contiguous_row,
-                                   lane_group_sum, launch, row_lanes, rstd_from, rstd_from_mean, same_weight_storage,
-                                   warp_row, warp_shfl, warp_sum, word_views)
+                                   lane_group_sum, launch, q_rows_first, row_lanes, rstd_from, rstd_from_mean,
+                                   same_weight_storage, warp_row, warp_shfl, warp_sum, word_views)
 
 WARPS_PER_BLOCK = 4  # rows per block
 THREADS = WARP_SIZE * WARPS_PER_BLOCK
@@ -92,7 +93,11 @@ def make_qk_norm_rope_kernel(act, weight, cache):
         q_heads, head_dim = q.shape[1], q.shape[2]
         k_heads = k.shape[1]
         k_row = row - q_rows
-        t = row // q_heads if is_q else k_row // k_heads
+        t = 0  # warps past the last row (k may have no heads: no division by zero)
+        if is_q:
+            t = row // q_heads
+        elif is_k:
+            t = k_row // k_heads
 
         # No early return for warps past the last row: every thread must reach the shuffles.
         n = cuda.local.array(MAX_SLOTS, np.float32)
@@ -424,6 +429,7 @@ def qk_norm_rope_v3(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, wei
     not a multiple of 4 (a word would hold one rotated and one partnerless column); or a bf16
     q, k, weight or cache that has no int32 view (an odd storage offset or token/head stride,
     e.g. a fused-qkv view starting at an odd column)."""
+    q, k, q_weight, k_weight = q_rows_first(q, k, q_weight, k_weight)
     q_weight, k_weight = same_weight_storage(q_weight, k_weight)
     words = word_views(q, k, q_weight, k_weight, cos_sin_cache)
     if words is None or (is_neox and rope_dim % 4):
@@ -457,6 +463,7 @@ def _launch(factory, specialization, q, k, q_weight, k_weight, cos_sin_cache, po
     rows = q.shape[0] * (q.shape[1] + k.shape[1])
     if rows == 0:
         return
+    q, k, q_weight, k_weight = q_rows_first(q, k, q_weight, k_weight)
     q_weight, k_weight = same_weight_storage(q_weight, k_weight)
     kernel = factory(CODEC_OF[q.dtype], CODEC_OF[q_weight.dtype], CODEC_OF[cos_sin_cache.dtype], *specialization)
     warps = min(WARPS_PER_BLOCK, rows)  # a tiny launch keeps its block small (and the simulator quick)

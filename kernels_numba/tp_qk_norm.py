@@ -6,7 +6,8 @@
 2. ``torch.distributed.all_reduce`` of that ``[T, 2]`` float32 tensor over the group (NCCL on
    GPUs, gloo on CPUs): every rank now holds each token's sums over the FULL rows.
 3. `apply_kernel`, grid (tokens, 2): rstd = rsqrt(sum_sq / full_width + eps) (0 where that is
-   0), and each thread writes its columns y = x * rstd * (w + weight_offset), in place.
+   0, NaN where it is NaN or +Inf: `rstd_from`), and each thread writes its columns
+   y = x * rstd * (w + weight_offset), in place.
 
 The row arithmetic (`row_sum_sq`, `write_row`, `rstd_from`) is cross_head_norm's: a TP shard is
 a cross-head row cut into tp pieces, and only the width in the mean is the full one. The shard

@@ -4,7 +4,9 @@ bad inputs get a clear error and leave the tensors untouched."""
 from __future__ import annotations
 
 import functools
+import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -13,7 +15,8 @@ from hypothesis import strategies as st
 import cookbook
 from cookbook.ops import qk_norm as contract
 from cookbook.testing import agreement
-from helpers import assert_rejected_untouched, BACKENDS, bad_case, clone_inputs, DEVICE, kernel_impls, ON_GPU, require, run_and_compare
+from helpers import (assert_rejected_untouched, BACKENDS, bad_case, clone_inputs, DEVICE, fields, kernel_impls, ON_GPU, require,
+                     run_and_compare)
 
 OP = "qk_norm"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -175,6 +178,97 @@ def test_reference_passes_the_control_cases():
 @pytest.mark.parametrize("wrong", WRONG, ids=lambda f: f.__name__.removeprefix("_wrong_"))
 def test_wrong_variant_is_rejected(wrong):
     assert not _all_pass(wrong), f"{wrong.__name__} passed every check: the checks are too loose"
+
+
+# ------------------------------------------------------------------------------------------
+# eps where it matters. The random examples above rarely leave the range where eps is
+# negligible (rows of rms ~1 against eps <= 1e-5), so an eps ignored, added outside the square
+# root, or divided by head_dim would pass them. These rows put mean(x^2) near eps and far below
+# it; the mutated kernels below prove they catch each of the three.
+# ------------------------------------------------------------------------------------------
+EPS_CASES = [  # (eps, the rows' rms values): mean(x^2) = rms^2 against eps
+    (1e-2, (1e-4, 3e-2, 0.1, 0.3)),  # eps dominant, then comparable with mean(x^2)
+    (1e-6, (1e-30, 1e-4, 1e-3, 3e-3)),  # the default eps against rows of small rms (squares of 1e-30 underflow)
+]
+
+
+def _eps_rows(rms_values, dtype, seed):
+    """make_inputs' q and k (2 tokens, 2 q heads, 1 kv head, head_dim 64), each row rescaled to
+    the next of `rms_values` in turn."""
+    inputs = contract.make_inputs(2, 2, 1, 64, dtype, DEVICE, seed=seed)
+    for name in ("q", "k"):
+        rows = inputs[name].view(-1, 64).double()
+        scale = torch.tensor([rms_values[i % len(rms_values)] for i in range(rows.shape[0])], dtype=torch.float64)
+        inputs[name].view(-1, 64).copy_(rows / rows.square().mean(-1, keepdim=True).sqrt() * scale[:, None])
+    return inputs
+
+
+def eps_rows_agree(impl, dtype=torch.bfloat16):
+    """Whether `impl` matches the contract on every EPS_CASES row (bf16: numba_v3's word kernel)."""
+    for seed, (eps, rms_values) in enumerate(EPS_CASES):
+        inputs = _eps_rows(rms_values, dtype, seed)
+        expected = contract.expected(clone_inputs(inputs), eps, 0.0, "fused")
+        impl.fn(*fields(contract.check_inputs(**inputs, eps=eps, weight_offset=0.0, rounding="fused")))
+        for name, (exact, _) in expected.items():
+            if not agreement(name, inputs[name], exact, None, "fused", contract.TOLERANCES[dtype]).ok:
+                return False
+    return True
+
+
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+def test_eps_where_it_matters(impl):
+    require(impl)
+    assert eps_rows_agree(impl), f"{impl.name} is wrong where eps matters"
+
+
+def _mutated_rstd(mutation, head_dim=64):
+    """(rstd_from, rstd_from_mean) with a plausible eps bug, as Numba device functions."""
+    from numba import cuda
+
+    from kernels_numba.helpers import rsqrt
+
+    if mutation == "eps_ignored":
+        @cuda.jit(device=True)
+        def rstd_from_mean(mean_sq, eps):
+            return rsqrt(mean_sq) if mean_sq > 0 else np.float32(0.0)
+    elif mutation == "eps_outside_sqrt":
+        @cuda.jit(device=True)
+        def rstd_from_mean(mean_sq, eps):
+            return np.float32(1.0) / (np.float32(math.sqrt(mean_sq)) + eps)
+    else:  # "eps_over_head_dim": eps added to the sum of squares, then divided with it
+        @cuda.jit(device=True)
+        def rstd_from_mean(mean_sq, eps):
+            return rsqrt(mean_sq + eps / np.float32(head_dim))
+
+    @cuda.jit(device=True)
+    def rstd_from(sum_sq, width, eps):
+        return rstd_from_mean(sum_sq / width, eps)
+
+    return rstd_from, rstd_from_mean
+
+
+@pytest.fixture
+def fresh_numba_kernels():
+    """The qk_norm Numba kernels rebuilt before and after the test (they bind their helpers when built)."""
+    from kernels_numba import qk_norm as kernels
+
+    factories = (kernels.make_qk_norm_kernel, kernels.make_qk_norm_kernel_v2, kernels.make_qk_norm_kernel_v3)
+    for factory in factories:
+        factory.cache_clear()
+    yield kernels
+    for factory in factories:
+        factory.cache_clear()
+
+
+@pytest.mark.parametrize("mutation", ["eps_ignored", "eps_outside_sqrt", "eps_over_head_dim"])
+@pytest.mark.parametrize("impl", [p for p in kernel_impls(OP) if p.values[0].level == "numba"])
+def test_eps_mutant_of_numba_kernel_is_rejected(impl, mutation, fresh_numba_kernels, monkeypatch):
+    """A deliberately wrong eps in the Numba kernels' rstd fails the rows above."""
+    require(impl)
+    rstd_from, rstd_from_mean = _mutated_rstd(mutation)
+    monkeypatch.setattr(fresh_numba_kernels, "rstd_from", rstd_from)
+    monkeypatch.setattr(fresh_numba_kernels, "rstd_from_mean", rstd_from_mean)
+    assert not eps_rows_agree(impl), f"{impl.name} with {mutation} passed: the eps rows are too loose"
 
 
 # ------------------------------------------------------------------------------------------

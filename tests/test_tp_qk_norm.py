@@ -135,6 +135,27 @@ def test_virtual_tp_equals_cross_head_norm(case):
         assert torch.equal(qkv[:, v_from:], v_before), "v (the rest of qkv) was modified"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_virtual_tp_nan_and_overflow_reach_every_shard(dtype):
+    """A NaN in one shard's columns of a row, or a sum of squares that passes float32's max only
+    over the full width (each shard's part within it), makes that row NaN in every shard; the
+    other rows are untouched by it (docs/edge_cases.md)."""
+    full = tp.make_full_inputs(3, 64, 32, dtype, DEVICE, seed=3)
+    q = full["q"]
+    q[0, 5] = float("nan")  # in the first of two shards
+    row = torch.randn(64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    max_sq = torch.finfo(torch.float32).max
+    q[1] = (row * (1.5 * max_sq / row.square().sum().item()) ** 0.5).to(dtype)  # each half ~0.75 of the max
+    assert all(torch.isfinite(half.float().square().sum()) for half in q[1].tensor_split(2))
+    want = tp.expected({n: t.clone() for n, t in full.items()}, 0, 1, 1e-6, 0.0, "fused")
+    tp.virtual_tp(q, full["k"], full["q_weight"], full["k_weight"], 2, 1e-6)
+    assert q[0].isnan().all() and q[1].isnan().all(), "a NaN or an overflowing full row must be NaN in every shard"
+    for name, out, rows in (("q", q, slice(2, 3)), ("k", full["k"], slice(None))):
+        exact = want[f"{name}_shard"][0][rows]
+        check = agreement(name, out[rows], exact, None, "fused", tp.TOLERANCES[dtype])
+        assert check.ok, check.message
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_virtual_tp_zero_rows_with_eps_0_give_zeros(dtype):
     """eps=0: an all-zero row has rstd 0 (not inf), so it stays exactly zero, never NaN."""

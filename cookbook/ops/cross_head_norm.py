@@ -23,13 +23,20 @@ Contract
   16384 in float32; beyond, a streaming path).
 * math, per token row ``x`` of length H (the whole hidden), accumulated in float32::
 
-      rstd = rsqrt(mean(x^2 over H) + eps)    (0 where mean(x^2) + eps == 0: eps=0 zero rows stay 0)
+      rstd = rsqrt(mean(x^2 over H) + eps)    (0 where mean(x^2) + eps == 0: eps=0 zero rows stay 0;
+                                               NaN where it is NaN or +Inf)
       y    = x * rstd * (w + weight_offset)    (weight_offset=1.0 is Gemma's (1 + w), in float32)
 
 * ``rounding``: as in `qk_norm` ("fused": one rounding at the end; "hf": the Hugging Face order
   ``round(round(x * rstd) * round(w + weight_offset))``).
 * Returns ``(q, k)``, the same tensors, normalized in place. Nothing is written unless every check
   passes.
+* Edges, as in `qk_norm` (docs/edge_cases.md): q and k share no byte with each other or with the
+  weights (column slices of one qkv tensor are fine), no broadcast or overlapping rows, no
+  requires-grad q or k, no inference tensors outside inference mode; a NaN or Inf anywhere in a
+  token's row, or a sum of squares past 3.4e38 (every ``|x| > 2.0e17`` at H = 8192), makes the
+  whole row NaN; with eps = 0, a row of only ``|x| <= 2**-75`` comes out as zeros; eps and
+  weight_offset are used as float32 (``eps=1e300`` refused).
 
 Bytes moved: q and k are read once and written once; the weights once per launch.
 """
@@ -133,7 +140,14 @@ def check_inputs(q, k, q_weight, k_weight, eps, weight_offset, rounding) -> Cros
     C.require_choice("rounding", rounding, C.ROUNDING_MODES)
     q2 = _as_rows("q", q, q_layout)
     k2 = _as_rows("k", k, k_layout)
+    check_in_place(q, k, q_weight, k_weight)
     return CrossHeadNormArgs(q2, k2, q_weight, k_weight, eps, weight_offset, rounding)
+
+
+def check_in_place(q, k, q_weight, k_weight) -> None:
+    """q and k writable here, each element at its own address, sharing no byte with each other
+    or with the weights (`_checks.require_in_place`). Under torch.compile, run by the compiled op."""
+    C.require_in_place(dict(q=q, k=k), dict(q_weight=q_weight, k_weight=k_weight))
 
 
 def _as_rows(name: str, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
@@ -146,10 +160,14 @@ def _as_rows(name: str, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
 # The reference: the math in readable PyTorch. The oracle for every test.
 # `rms_norm_rows` (from qk_norm) normalizes over the last dim: here that dim is the whole hidden.
 # --------------------------------------------------------------------------------------------
+@torch.no_grad()
 def reference(q, k, q_weight, k_weight, eps, weight_offset, rounding):
-    """In-place PyTorch reference on checked `[T, hidden]` views (any device)."""
-    q.copy_(rms_norm_rows(q, q_weight, eps, weight_offset, rounding))
-    k.copy_(rms_norm_rows(k, k_weight, eps, weight_offset, rounding))
+    """In-place PyTorch reference on checked `[T, hidden]` views (any device); as qk_norm's, both
+    results are computed before either is written, and nothing is recorded for autograd."""
+    q_out = rms_norm_rows(q, q_weight, eps, weight_offset, rounding)
+    k_out = rms_norm_rows(k, k_weight, eps, weight_offset, rounding)
+    q.copy_(q_out)
+    k.copy_(k_out)
     return q, k
 
 

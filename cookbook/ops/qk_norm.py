@@ -12,7 +12,8 @@ Contract
 * head_dim: any even size from 2 to 1024 (fast CUDA paths for 64, 128, 256, 512, 1024).
 * math, per (token, head) row ``x`` of length D, accumulated in float32::
 
-      rstd = rsqrt(mean(x^2) + eps)          (0 where mean(x^2) + eps == 0: eps=0 zero rows stay 0)
+      rstd = rsqrt(mean(x^2) + eps)          (0 where mean(x^2) + eps == 0: eps=0 zero rows stay 0;
+                                              NaN where it is NaN or +Inf)
       y    = x * rstd * (w + weight_offset)   (weight_offset=1.0 is Gemma's (1 + w), in float32)
 
 * ``rounding="fused"``: one rounding to the activation dtype at the end (FlashInfer, SGLang,
@@ -22,11 +23,28 @@ Contract
 * Returns ``(q, k)``, the same tensors, normalized in place. Nothing is written unless every check
   passes.
 
+Edges (the same on every backend; docs/edge_cases.md):
+
+* In place, safely (`check_in_place`): q and k share no byte with each other or with the
+  weights, and no two of their elements share an address (``k is q``, overlapping views, a weight
+  inside q, a broadcast token dim: ValueError). Views of one qkv tensor, side by side or
+  interleaved per head, share a buffer but no byte: accepted. q and k must not require grad (no
+  backward; weights may: they are only read) and are written outside ``torch.inference_mode()``
+  only if they are not inference tensors.
+* NaN and Inf: a NaN, +Inf or -Inf anywhere in a row makes the whole row NaN (rstd is NaN).
+* float32's range: sum(x^2) is a float32; a row whose sum of squares passes 3.4e38 (every
+  ``|x| > 1.6e18`` at D = 128; float32 and bfloat16 rows only) comes out all NaN. With eps = 0,
+  squares of ``|x| <= 2**-75`` (2.6e-23) are 0, so a row of only such values comes out as zeros.
+* eps and weight_offset are used as float32: `check_arguments` rounds them (1e-50 becomes 0) and
+  refuses values with no finite float32 (``eps=1e300``).
+* num_q_heads or num_kv_heads may be 0: the other tensor is normalized.
+
 Bytes moved: q and k are read once and written once; the weights once per launch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +73,21 @@ class QKNormArgs:
 
 
 def check_inputs(q, k, q_weight, k_weight, eps, weight_offset, rounding) -> QKNormArgs:
+    """Every check, `check_arguments` then `check_in_place`; the checked arguments."""
+    args = check_arguments(q, k, q_weight, k_weight, eps, weight_offset, rounding)
+    check_in_place(q, k, q_weight, k_weight)
+    return args
+
+
+def check_in_place(q, k, q_weight, k_weight) -> None:
+    """q and k writable here, each element at its own address, sharing no byte with each other
+    or with the weights (`_checks.require_in_place`). Under torch.compile, run by the compiled op."""
+    C.require_in_place(dict(q=q, k=k), dict(q_weight=q_weight, k_weight=k_weight))
+
+
+def check_arguments(q, k, q_weight, k_weight, eps, weight_offset, rounding) -> QKNormArgs:
+    """Shapes, strides, dtypes, devices and values (eps and weight_offset rounded to float32 as
+    the kernels take them); not the memory checks."""
     expect_q = "[tokens..., num_q_heads, head_dim]"
     expect_k = "[tokens..., num_kv_heads, head_dim]"
     C.require_q_k(q, k, expect_q, expect_k)
@@ -94,9 +127,12 @@ def rms_norm_rows(x, w, eps, weight_offset, rounding, out_dtype=None):
 
 
 def rstd_of(mean_sq, eps):
-    """rsqrt(mean(x^2) + eps), and 0 where that is 0 (eps=0 zero rows stay 0, not NaN)."""
+    """rsqrt(mean(x^2) + eps); 0 where that is 0 (eps=0 zero rows stay 0, not NaN); NaN where it
+    is NaN or +Inf (a NaN or Inf in the row, or a sum of squares past the accumulator's range), so
+    the whole row comes out NaN rather than silently zero."""
     denom = mean_sq + eps
-    return torch.where(denom > 0, torch.rsqrt(denom), torch.zeros_like(denom))
+    rstd = torch.rsqrt(denom).masked_fill(denom == 0, 0.0)  # rsqrt(0) = inf would make x * rstd NaN
+    return rstd.masked_fill(denom == math.inf, math.nan)  # rsqrt(inf) = 0 would hide the Inf
 
 
 def scale_rows(xf, rstd, w, weight_offset, rounding, out_dtype):
@@ -112,10 +148,15 @@ def scale_rows(xf, rstd, w, weight_offset, rounding, out_dtype):
     return (normed * w_eff.to(out_dtype).to(acc)).to(out_dtype)
 
 
+@torch.no_grad()
 def reference(q, k, q_weight, k_weight, eps, weight_offset, rounding):
-    """In-place PyTorch reference on checked `[T, H, D]` views (any device)."""
-    q.copy_(rms_norm_rows(q, q_weight, eps, weight_offset, rounding))
-    k.copy_(rms_norm_rows(k, k_weight, eps, weight_offset, rounding))
+    """In-place PyTorch reference on checked `[T, H, D]` views (any device). Both results are
+    computed before either is written, and nothing is recorded for autograd (weights may be
+    parameters), as in every kernel."""
+    q_out = rms_norm_rows(q, q_weight, eps, weight_offset, rounding)
+    k_out = rms_norm_rows(k, k_weight, eps, weight_offset, rounding)
+    q.copy_(q_out)
+    k.copy_(k_out)
     return q, k
 
 

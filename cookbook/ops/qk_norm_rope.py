@@ -37,6 +37,11 @@ backend="auto")``
   host first (one device sync; not under torch.compile or CUDA-graph capture) and raises a
   ValueError naming the first bad token, with nothing written.
 * Returns ``(q, k)``, the same tensors, in place. Nothing is written unless every check passes.
+* Edges, as in `qk_norm` (docs/edge_cases.md): q and k share no byte with each other or with
+  anything the op reads (weights, ``cos_sin_cache``, ``positions``); no broadcast or overlapping
+  heads, no requires-grad q or k, no inference tensors outside inference mode; a NaN or Inf in a
+  row, or a sum of squares past float32's range, makes the whole row NaN, rotated dims included;
+  eps and weight_offset are used as float32; num_q_heads or num_kv_heads may be 0.
 
 Bytes moved: q and k read once and written once; per token its position and one cache row; the
 weights once per launch.
@@ -102,7 +107,7 @@ def _require_int(name: str, value, expected: str) -> int:
 
 def check_inputs(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding,
                  rope=Rope()) -> QKNormRopeArgs:
-    norm = qk_norm_contract.check_inputs(q, k, q_weight, k_weight, eps, weight_offset, rounding)
+    norm = qk_norm_contract.check_arguments(q, k, q_weight, k_weight, eps, weight_offset, rounding)
     head_dim = norm.q.shape[-1]
     if not isinstance(rope, Rope):
         raise TypeError(f"rope: expected a {__name__}.Rope, got {type(rope).__name__}")
@@ -142,8 +147,17 @@ def check_inputs(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight
         raise TypeError(f"positions: expected {expect_pos}, got {C.describe(positions)}")
     if tuple(positions.shape) != token_dims or positions.device != q.device or not positions.is_contiguous():
         raise ValueError(f"positions: expected {expect_pos}, got {C.describe(positions)}")
+    check_in_place(q, k, q_weight, k_weight, cos_sin_cache, positions)
     return QKNormRopeArgs(norm.q, norm.k, norm.q_weight, norm.k_weight, cos_sin_cache, positions.view(-1),
                           norm.eps, norm.weight_offset, norm.rounding, rope.is_neox, rope_dim, offset)
+
+
+def check_in_place(q, k, q_weight, k_weight, cos_sin_cache, positions) -> None:
+    """q and k writable here, each element at its own address, sharing no byte with each other
+    or with anything the op reads (`_checks.require_in_place`). Under torch.compile, run by the
+    compiled op."""
+    C.require_in_place(dict(q=q, k=k), dict(q_weight=q_weight, k_weight=k_weight, cos_sin_cache=cos_sin_cache,
+                                            positions=positions))
 
 
 def check_positions_in_range(positions, position_offset, max_position) -> None:
@@ -209,13 +223,17 @@ def qk_norm_rope_rows(x, w, cos, sin, eps, weight_offset, rounding, rope_dim, is
     return rotate(n, round_to(cos), round_to(sin), rope_dim, is_neox, round_to).to(dtype)
 
 
+@torch.no_grad()
 def reference(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding,
               is_neox, rope_dim, position_offset):
-    """In-place PyTorch reference on checked views (any device)."""
+    """In-place PyTorch reference on checked views (any device); both results are computed before
+    either is written, and nothing is recorded for autograd."""
     acc = torch.float32
     cos, sin = cos_sin_rows(cos_sin_cache, positions, position_offset, acc)
-    for x, w in ((q, q_weight), (k, k_weight)):
-        x.copy_(qk_norm_rope_rows(x, w, cos, sin, eps, weight_offset, rounding, rope_dim, is_neox))
+    q_out = qk_norm_rope_rows(q, q_weight, cos, sin, eps, weight_offset, rounding, rope_dim, is_neox)
+    k_out = qk_norm_rope_rows(k, k_weight, cos, sin, eps, weight_offset, rounding, rope_dim, is_neox)
+    q.copy_(q_out)
+    k.copy_(k_out)
     return q, k
 
 

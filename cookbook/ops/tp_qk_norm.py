@@ -12,7 +12,8 @@ so each rank computes two floats per token (its shard's sum of squares of q and 
 all-reduce just those ``[T, 2]`` floats, and each rank normalizes its own shard with its own
 weight slice and the full width::
 
-    rstd = rsqrt(total_sum_sq / full_width + eps)    (0 where that is 0: eps=0 zero rows stay 0)
+    rstd = rsqrt(total_sum_sq / full_width + eps)    (0 where that is 0: eps=0 zero rows stay 0;
+                                                      NaN where it is NaN or +Inf)
     y    = x_r * rstd * (w_r + weight_offset)
 
 Exactly `eps`, not ``eps / width`` (the error of an implementation that averages per shard and
@@ -38,6 +39,11 @@ Contract
   next call on each rank (or by `raise_pending_errors()`).
 * ``rounding``, ``weight_offset``: as in `cross_head_norm`.
 * Returns ``(q_shard, k_shard)``, normalized in place. Nothing is written unless every check passes.
+* Edges, as in `cross_head_norm` (docs/edge_cases.md), per rank: the shards share no byte with
+  each other or with the weight shards, no broadcast or overlapping rows, no requires-grad
+  shards, no inference tensors outside inference mode; eps and weight_offset are used as
+  float32. A NaN or Inf in any rank's part of a row, or a full-width sum of squares past 3.4e38,
+  makes that row NaN on every rank (the NaN or Inf travels in the all-reduced sum).
 
 Also `virtual_tp`: the sharded algorithm on full tensors in one process (the all-reduce replaced
 by a sum over shards), for teaching and tests on one device or a CPU.
@@ -109,7 +115,16 @@ def check_inputs(q_shard, k_shard, q_weight_shard, k_weight_shard, eps, weight_o
         group = dist.group.WORLD
     q = C.as_token_rows("q_shard", q_shard, 1, expect_q)
     k = C.as_token_rows("k_shard", k_shard, 1, expect_k)
+    check_in_place(q_shard, k_shard, q_weight_shard, k_weight_shard)
     return TPQKNormArgs(q, k, q_weight_shard, k_weight_shard, eps, weight_offset, rounding, group)
+
+
+def check_in_place(q_shard, k_shard, q_weight_shard, k_weight_shard) -> None:
+    """The shards writable here, each element at its own address, sharing no byte with each other
+    or with the weight shards (`_checks.require_in_place`). Under torch.compile, run by the
+    compiled op."""
+    C.require_in_place(dict(q_shard=q_shard, k_shard=k_shard),
+                       dict(q_weight_shard=q_weight_shard, k_weight_shard=k_weight_shard))
 
 
 def collective_device(group, like: torch.Tensor) -> torch.device:
@@ -148,11 +163,16 @@ def local_sum_sq(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.stack((q.float().square().sum(-1), k.float().square().sum(-1)), dim=-1)
 
 
+@torch.no_grad()
 def apply_sum_sq(q, k, q_weight, k_weight, sum_sq, q_full_width, k_full_width, eps, weight_offset, rounding):
-    """Normalize the shards in place from the all-reduced `[T, 2]` sums and the full widths."""
-    for col, (x, w, width) in enumerate(((q, q_weight, q_full_width), (k, k_weight, k_full_width))):
-        rstd = rstd_of(sum_sq[:, col : col + 1] / width, eps)
-        x.copy_(scale_rows(x.float(), rstd, w, weight_offset, rounding, x.dtype))
+    """Normalize the shards in place from the all-reduced `[T, 2]` sums and the full widths (both
+    results computed before either is written; nothing recorded for autograd)."""
+    q_rstd = rstd_of(sum_sq[:, 0:1] / q_full_width, eps)
+    k_rstd = rstd_of(sum_sq[:, 1:2] / k_full_width, eps)
+    q_out = scale_rows(q.float(), q_rstd, q_weight, weight_offset, rounding, q.dtype)
+    k_out = scale_rows(k.float(), k_rstd, k_weight, weight_offset, rounding, k.dtype)
+    q.copy_(q_out)
+    k.copy_(k_out)
 
 
 def all_reduce_sum(sum_sq: torch.Tensor, group) -> torch.Tensor:

@@ -280,10 +280,12 @@ __device__ __forceinline__ void prefetch_l1(const void* addr) {
 
 // ---- the RMSNorm arithmetic ------------------------------------------------------------------
 // rstd = rsqrt(mean(x^2) + eps); 0 when that is 0 (eps = 0 and an all-zero row), so such a row
-// normalizes to zeros rather than NaN.
+// normalizes to zeros rather than NaN; NaN when it is NaN or +Inf (a NaN or Inf in the row, or a
+// sum of squares past float32's range), so the whole row comes out NaN rather than silently zero.
 __device__ __forceinline__ float rstd_from(float sum_sq, float width, float eps) {
   const float denom = sum_sq / width + eps;
-  return denom > 0.f ? rsqrtf(denom) : 0.f;
+  if (denom == 0.f) return 0.f;
+  return isfinite(denom) ? rsqrtf(denom) : NAN;
 }
 
 // The effective weight (w + weight_offset) in float32; in the Hugging Face order it is rounded to
