@@ -162,12 +162,10 @@ def _as_rows(name: str, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 @torch.no_grad()
 def reference(q, k, q_weight, k_weight, eps, weight_offset, rounding):
-    """In-place PyTorch reference on checked `[T, hidden]` views (any device); as qk_norm's, both
-    results are computed before either is written, and nothing is recorded for autograd."""
-    q_out = rms_norm_rows(q, q_weight, eps, weight_offset, rounding)
-    k_out = rms_norm_rows(k, k_weight, eps, weight_offset, rounding)
-    q.copy_(q_out)
-    k.copy_(k_out)
+    """In-place PyTorch reference on checked `[T, hidden]` views (any device): q, then k (so
+    torch.compile writes each in place, as in qk_norm's); nothing is recorded for autograd."""
+    q.copy_(rms_norm_rows(q, q_weight, eps, weight_offset, rounding))
+    k.copy_(rms_norm_rows(k, k_weight, eps, weight_offset, rounding))
     return q, k
 
 

@@ -44,7 +44,6 @@ Bytes moved: q and k are read once and written once; the weights once per launch
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -129,10 +128,10 @@ def rms_norm_rows(x, w, eps, weight_offset, rounding, out_dtype=None):
 def rstd_of(mean_sq, eps):
     """rsqrt(mean(x^2) + eps); 0 where that is 0 (eps=0 zero rows stay 0, not NaN); NaN where it
     is NaN or +Inf (a NaN or Inf in the row, or a sum of squares past the accumulator's range), so
-    the whole row comes out NaN rather than silently zero."""
+    the whole row comes out NaN rather than silently zero. The CUDA C kernels' formula
+    (`rstd_from`): rsqrt(+Inf) is 0, and `denom - denom`, 0 for every finite denom, makes it NaN."""
     denom = mean_sq + eps
-    rstd = torch.rsqrt(denom).masked_fill(denom == 0, 0.0)  # rsqrt(0) = inf would make x * rstd NaN
-    return rstd.masked_fill(denom == math.inf, math.nan)  # rsqrt(inf) = 0 would hide the Inf
+    return torch.where(denom == 0, torch.zeros_like(denom), torch.rsqrt(denom) + (denom - denom))
 
 
 def scale_rows(xf, rstd, w, weight_offset, rounding, out_dtype):
@@ -150,13 +149,11 @@ def scale_rows(xf, rstd, w, weight_offset, rounding, out_dtype):
 
 @torch.no_grad()
 def reference(q, k, q_weight, k_weight, eps, weight_offset, rounding):
-    """In-place PyTorch reference on checked `[T, H, D]` views (any device). Both results are
-    computed before either is written, and nothing is recorded for autograd (weights may be
-    parameters), as in every kernel."""
-    q_out = rms_norm_rows(q, q_weight, eps, weight_offset, rounding)
-    k_out = rms_norm_rows(k, k_weight, eps, weight_offset, rounding)
-    q.copy_(q_out)
-    k.copy_(k_out)
+    """In-place PyTorch reference on checked `[T, H, D]` views (any device): q, then k. Nothing is
+    recorded for autograd (weights may be parameters). Written in this order, q's result goes
+    straight into q under torch.compile even where q and k are views of one tensor."""
+    q.copy_(rms_norm_rows(q, q_weight, eps, weight_offset, rounding))
+    k.copy_(rms_norm_rows(k, k_weight, eps, weight_offset, rounding))
     return q, k
 
 

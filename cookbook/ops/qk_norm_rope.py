@@ -226,14 +226,12 @@ def qk_norm_rope_rows(x, w, cos, sin, eps, weight_offset, rounding, rope_dim, is
 @torch.no_grad()
 def reference(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding,
               is_neox, rope_dim, position_offset):
-    """In-place PyTorch reference on checked views (any device); both results are computed before
-    either is written, and nothing is recorded for autograd."""
+    """In-place PyTorch reference on checked views (any device): q, then k (so torch.compile writes
+    each in place, as in qk_norm's); nothing is recorded for autograd."""
     acc = torch.float32
     cos, sin = cos_sin_rows(cos_sin_cache, positions, position_offset, acc)
-    q_out = qk_norm_rope_rows(q, q_weight, cos, sin, eps, weight_offset, rounding, rope_dim, is_neox)
-    k_out = qk_norm_rope_rows(k, k_weight, cos, sin, eps, weight_offset, rounding, rope_dim, is_neox)
-    q.copy_(q_out)
-    k.copy_(k_out)
+    q.copy_(qk_norm_rope_rows(q, q_weight, cos, sin, eps, weight_offset, rounding, rope_dim, is_neox))
+    k.copy_(qk_norm_rope_rows(k, k_weight, cos, sin, eps, weight_offset, rounding, rope_dim, is_neox))
     return q, k
 
 

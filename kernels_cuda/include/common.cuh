@@ -282,10 +282,11 @@ __device__ __forceinline__ void prefetch_l1(const void* addr) {
 // rstd = rsqrt(mean(x^2) + eps); 0 when that is 0 (eps = 0 and an all-zero row), so such a row
 // normalizes to zeros rather than NaN; NaN when it is NaN or +Inf (a NaN or Inf in the row, or a
 // sum of squares past float32's range), so the whole row comes out NaN rather than silently zero.
+// rsqrtf already gives NaN for NaN; for +Inf it gives 0, and `denom - denom` (0 for every finite
+// denom, NaN for +Inf) turns that into NaN: two additions, no extra branch or register.
 __device__ __forceinline__ float rstd_from(float sum_sq, float width, float eps) {
   const float denom = sum_sq / width + eps;
-  if (denom == 0.f) return 0.f;
-  return isfinite(denom) ? rsqrtf(denom) : NAN;
+  return denom == 0.f ? 0.f : rsqrtf(denom) + (denom - denom);
 }
 
 // The effective weight (w + weight_offset) in float32; in the Hugging Face order it is rounded to
