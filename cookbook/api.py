@@ -290,7 +290,12 @@ def _abstain(group, backend: str) -> None:
     try:
         on_gpu = dist.get_backend(group) == "nccl"
         fused = on_gpu and backend in ("auto", "cuda") and is_fused(registry.fastest(tp_contract.OP))
-        if fused and tp_workspace.unavailable(group) is None:  # the peers decide as resolve_tp does
+        if fused:  # the peers decide as resolve_tp does: the kernels built, then the workspace
+            from cookbook import cuda
+
+            cuda.load("tp_qk_norm")
+            fused = tp_workspace.unavailable(group) is None
+        if fused:
             tp_workspace.abstain(group)
         else:
             tp_contract.check_ranks_agree(None, group=group, wait_limit_s=tp_workspace.state(group).wait_limit_s)

@@ -304,13 +304,11 @@ def count_call(group) -> None:
 def abstain(group) -> None:
     """This rank's launch for a call it does not take part in (it rejected its arguments): the
     fused protocol's absent header, so that the peers write nothing, report it, and are not left
-    waiting. Only where the group's fused workspace exists."""
-    from cookbook import cuda
-
+    waiting. Only where the group's fused workspace exists; the caller has built the kernels
+    (`cookbook.cuda.load("tp_qk_norm")`)."""
     ws = _workspaces.get(_key(group))
     if not isinstance(ws, Workspace):
         return
-    cuda.load("tp_qk_norm")
     count_call(group)
     torch.ops.cookbook.tp_qk_norm_absent(ws.counters, ws.peer_buffers, ws.status.data_ptr(), ws.rank, ws.capacity)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import re
 import time
 from pathlib import Path
@@ -879,3 +880,51 @@ def test_fused_reports_of_absent_peers_and_of_giving_up():
     assert error is RuntimeError and message.startswith("tp_qk_norm: rank 0 gave up waiting for rank 3's header of "
                                                         "fused launch 17"), message
     assert ended == message
+
+
+# ==========================================================================================
+# The benchmark's reading of its own sweeps (no GPU): v12's table rows, the published comparison
+# ==========================================================================================
+def _sweep_rows(times, widths=(6144, 1024)):
+    """Result rows of a sweep: {(impl, tokens): us}."""
+    return [dict(impl=impl, shape=[tokens, *widths], label=f"T={tokens}", median_us=us, p20_us=us, p80_us=us,
+                 slowest_us=us, method="graph", error="") for (impl, tokens), us in times.items()]
+
+
+def test_propose_dispatch_reads_the_fastest_family_per_token_count(tmp_path):
+    """Held rows win at decode, token rows at 4 and 16 tokens per SM, v9's walk loses to v6's tiles at
+    the largest count: the row is {2, 16, false}; token rows losing everywhere give 0."""
+    from cookbook.bench import tp as bench_tp
+
+    times = {("cuda_v10", 1): 3.0, ("cuda_v11", 1): 3.2, ("cuda_v10", 128): 4.0, ("cuda_v11", 128): 4.1,
+             ("cuda_v6", 512): 9.0, ("cuda_v11", 512): 7.0, ("cuda_v10", 512): 9.0,
+             ("cuda_v6", 2048): 12.0, ("cuda_v9", 2048): 11.0, ("cuda_v11", 2048): 9.0,
+             ("cuda_v6", 16384): 40.0, ("cuda_v9", 16384): 44.0, ("cuda_v11", 16384): 50.0}
+    meta = dict(sm_count=132, world=4, gpu="NVIDIA H200", commit="abc1234", timing_mode="graph")
+    page = tmp_path / "tp_qk_norm_h200x4.json"
+    page.write_text(json.dumps({"metadata": meta, "rows": _sweep_rows(times)}))
+    report = bench_tp.propose_dispatch([page])
+    assert report.splitlines()[-1] == "  kDispatchByWorld[4] = {2, 16, false}", report
+    slower = {k: (v * 2 if k[0] == "cuda_v11" else v) for k, v in times.items()}
+    page.write_text(json.dumps({"metadata": meta, "rows": _sweep_rows(slower)}))
+    assert bench_tp.propose_dispatch([page]).splitlines()[-1] == "  kDispatchByWorld[4] = {2, 0, false}"
+
+
+def test_pages_set_the_latest_version_beside_the_published_figures():
+    """At the published token counts the page gives the latest CUDA C version (and its ratio to the
+    published figure), the fastest version and the local shard, and says whether the timing is the
+    same method; the back-to-back table names rank 0's and the slowest rank's means."""
+    from cookbook.bench import tp as bench_tp
+
+    latest = registry.latest(OP, "cuda").name
+    times = {(latest, 1): 2.86, ("cuda_v10", 1): 2.5, (bench_tp.LOCAL_SHARD, 1): 1.5, (latest, 2048): 8.4}
+    rows = _sweep_rows(times)
+    text = bench_tp.published_comparison(rows, dict(world=4, gpu="NVIDIA H200", timing_mode=bench_tp.BACK_TO_BACK))
+    assert "the same GPUs and TP; this page's timing: the same method" in text, text
+    assert f"| 1      | 2.6          | 2.86 (1.10x)" in text and "cuda_v10 2.50" in text and "1.50" in text, text
+    assert "| 2048" in text and "| 128 " not in text, text
+    other = bench_tp.published_comparison(rows, dict(world=2, gpu="NVIDIA H100", timing_mode=bench_tp.GRAPH))
+    assert "not like for like: 2 x NVIDIA H100 here" in other and "graph replays after a barrier" in other
+    assert bench_tp.published_comparison(_sweep_rows({(latest, 3): 1.0}), dict(world=4, gpu="x", timing_mode="graph")) == ""
+    table = bench_tp.table(rows, bench_tp.BACK_TO_BACK)
+    assert "rank 0's mean us" in table and "slowest rank's mean us" in table
