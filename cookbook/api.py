@@ -266,10 +266,16 @@ def _run_tp_qk_norm(a: tp_contract.TPQKNormArgs, backend: str) -> None:
                 raise
         if a.q.shape[0] == 0:
             return
-    else:
-        tp_workspace.count_call(a.group)  # the header's call number
-    # The fused kernel launches even with no tokens: its header tells the peers this rank's call.
-    impl.fn(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group)
+        impl.fn(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group)
+        return
+    tp_workspace.count_call(a.group)  # the header's call number
+    try:  # (the fused kernel launches even with no tokens: its header tells the peers this rank's call)
+        impl.fn(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group)
+    except Exception as error:  # counted, maybe not launched: out of step with the peers, who give up on it
+        tp_workspace.fail(a.group, f"tp_qk_norm: rank {dist.get_rank(a.group)} failed to launch a fused call "
+                                   f"({type(error).__name__}: {error}); the group is out of step, so every later "
+                                   f"tp_qk_norm call on it raises: create a new process group")
+        raise
 
 
 def _abstain(group, backend: str) -> None:

@@ -1169,9 +1169,10 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
 // 1. Phase 4's only global loads are the weights, and 2000 cycles is a memory round trip plus
 // the work. Here a lane issues its x loads and its raw weight loads in one batch in phase 1, so
 // both round trips overlap, and phase 4 reads only registers. A lane holds up to
-// kHeldPacksPerLane packs of x and of weights (ptxas: 128 registers in bf16, 102 in fp32, 142-145
-// in fp16, no spill; occupancy does not matter at these sizes, one CTA per SM); wider rows, and
-// unaligned ones, keep v9's kernel. The exchange (phase 2+3) is v4's, shared with v3-v9's decode kernel.
+// kHeldPacksPerLane packs of x and of weights (ptxas: 144 registers in bf16, 124 in fp32, 143 in
+// fp16, no spill; occupancy does not matter at these sizes, one CTA per SM, which its launch
+// bounds say: with ptxas's default budget it spilled); wider rows, and unaligned ones, keep v9's
+// kernel. The exchange (phase 2+3) is v4's, shared with v3-v9's decode kernel.
 // ------------------------------------------------------------------------------------------
 constexpr int kHeldPacksPerLane = 8;  // 8 x 16 bytes of x and 8 (16 or 32 bytes) of weights
 
@@ -1278,8 +1279,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_held_kernel(FusedParam
 // Blocks of 64 to 256 threads, one, two or four vectors per thread: row pairs up to 1024 vectors
 // (8192 bf16 elements; the MiniMax TP=2 shard's 448 vectors are 224 threads of two); wider ones
 // keep v10's kernels. The register budget (ptxas, no spills; a thread holds its vectors, the next
-// token's and their weights) keeps CTAs per SM for tokens in flight: 64 registers at one vector
-// per thread (4 CTAs of the TP=4 shard's 224 threads), 128 at two (2 CTAs), 255 at four.
+// token's and their weights) keeps CTAs per SM for tokens in flight: at most 64 registers at one
+// vector per thread (4 CTAs of the TP=4 shard's 224 threads), 128 at two, 255 at four.
 constexpr int kTokenRowsMaxThreads = 256;
 constexpr int kTokenRowsMinThreads = 64;
 constexpr int kTokenRowsMaxVecsPerThread = 4;
@@ -1327,7 +1328,8 @@ __device__ __forceinline__ void load_token(const TokenColumn<T> (&col)[kVecsPerT
 }
 
 template <typename T, int kVecsPerThread, bool kHfRounding>
-__global__ void __launch_bounds__(kTokenRowsMaxThreads, token_rows_min_ctas_per_sm(kVecsPerThread)) token_rows_kernel(FusedParams p) {
+__global__ void __launch_bounds__(kTokenRowsMaxThreads, token_rows_min_ctas_per_sm(kVecsPerThread))
+    token_rows_kernel(FusedParams p) {
   constexpr int kElems = Vec<T>::kElems;
   __shared__ float partials[kNumTensors][kMaxRanks];
   __shared__ CallState call;

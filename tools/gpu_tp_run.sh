@@ -2,25 +2,26 @@
 # One device-tool call on a multi-GPU machine for the collective op tp_qk_norm, in stages, each
 # within its own time budget and all within BUDGET_S (so that the call ends inside the tool's limit):
 #
-#   bash tools/gpu_tp_run.sh [stages]        stages: comma-separated, in this order
+#   bash tools/gpu_tp_run.sh [stages]        stages: comma-separated; they run in this order
 #     build      the tp_qk_norm and cross_head_norm extensions, in parallel (into build/, which a
 #                later call on the same warm machine reuses)
 #     checks     tests/tp_gpu_checks.py on every GPU (CHECKS=quick|full, default quick)
-#     sanitizer  compute-sanitizer memcheck of the small case on every GPU
 #     sweep      the TP benchmark on every GPU: MiniMax-M2's widths, every CUDA C version, the local
 #                shard and NCCL's all-reduce of the sums (SHAPES=minimax|full, default minimax);
-#                writes docs/results/tp_qk_norm_<gpu>x<tp>.md
-#     b2b        the same timed as SGLang's benchmark did (--timing back_to_back) at 1, 128, 2048
-#                and 16384 tokens: docs/results/tp_qk_norm_<gpu>x<tp>_back_to_back.md
+#                writes docs/results/tp_qk_norm_<gpu>x<tp>.md (after every shape: a cut run keeps its rows)
+#     sanitizer  compute-sanitizer memcheck of the small case on every GPU
 #     checks2    the GPU checks on 2 of the GPUs (--quick)
+#     b2b        the sweep timed as SGLang's benchmark did (--timing back_to_back) at 1, 128, 2048
+#                and 16384 tokens: docs/results/tp_qk_norm_<gpu>x<tp>_back_to_back.md
 #     sweep2     the sweep on 2 of the GPUs: docs/results/tp_qk_norm_<gpu>x2.md
 #     propose    v12's dispatch rows that the sweeps' JSON give (cookbook.bench.tp --propose-dispatch)
-#   default: build,checks,sanitizer,sweep,propose   (the second call: build,b2b,checks2,sweep2,propose)
+#   default: all of them; a stage that no longer fits the budget is skipped (env.txt says so), for
+#   a second call: bash tools/gpu_tp_run.sh <the skipped stages>,propose
 #
 # Logs go to $OUT (env.txt, one log per stage); the results pages and logs also travel as
 # $OUT/results.tgz (the tool brings back at most 8 files).
 set -uo pipefail
-stages=${1:-build,checks,sanitizer,sweep,propose}
+stages=${1:-build,checks,sweep,sanitizer,checks2,b2b,sweep2,propose}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-470}; CHECKS=${CHECKS:-quick}; SHAPES=${SHAPES:-minimax}
 export PYTHONUNBUFFERED=1 COOKBOOK_BUILD_DIR=${COOKBOOK_BUILD_DIR:-$PWD/build/cookbook}
@@ -64,14 +65,14 @@ sweep_impls=$(python3 -c "from cookbook import registry; print(','.join([i.name 
 checks_args=(); [[ $CHECKS == quick ]] && checks_args=(--quick)
 
 has build && stage build 300 build
-has checks && stage checks 200 torchrun "$nproc" tests/tp_gpu_checks.py "${checks_args[@]}"
-has sanitizer && stage sanitizer 120 compute-sanitizer --tool memcheck --report-api-errors no --target-processes all \
-  --error-exitcode 3 python3 -m torch.distributed.run --standalone --nproc-per-node="$nproc" tests/tp_gpu_checks.py --small
+has checks && stage checks 170 torchrun "$nproc" tests/tp_gpu_checks.py "${checks_args[@]}"
 has sweep && stage sweep 200 python3 -m cookbook.bench.tp --nproc "$nproc" --shapes "$SHAPES" --impls "$sweep_impls" \
   --out "$OUT/bench_sweep"
-has b2b && stage b2b 120 python3 -m cookbook.bench.tp --nproc "$nproc" --shapes minimax --tokens 1,128,2048,16384 \
+has sanitizer && stage sanitizer 100 compute-sanitizer --tool memcheck --report-api-errors no --target-processes all \
+  --error-exitcode 3 python3 -m torch.distributed.run --standalone --nproc-per-node="$nproc" tests/tp_gpu_checks.py --small
+has checks2 && CUDA_VISIBLE_DEVICES=0,1 stage checks2 120 torchrun 2 tests/tp_gpu_checks.py --quick
+has b2b && stage b2b 100 python3 -m cookbook.bench.tp --nproc "$nproc" --shapes minimax --tokens 1,128,2048,16384 \
   --timing back_to_back --impls cuda_v5,cuda_v6,cuda_v9,cuda_v10,cuda_v11,cuda_v12,local_cross_head_norm --out "$OUT/bench_b2b"
-has checks2 && CUDA_VISIBLE_DEVICES=0,1 stage checks2 150 torchrun 2 tests/tp_gpu_checks.py --quick
 has sweep2 && CUDA_VISIBLE_DEVICES=0,1 stage sweep2 200 python3 -m cookbook.bench.tp --nproc 2 --shapes "$SHAPES" \
   --impls "$sweep_impls" --out "$OUT/bench_sweep2"
 if has propose; then

@@ -297,12 +297,13 @@ def published_comparison(rows, meta) -> str:
                               "local shard us"], body), ""])
 
 
-def write_results(rows, meta, out: Path, results_dir: Path | None) -> None:
+def write_results(rows, meta, out: Path, results_dir: Path | None, quiet: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{OP}_results.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
     text = table(rows, meta["timing_mode"])
     comparison = published_comparison(rows, meta)
-    print(f"\n{OP} ({meta['dtype']}) on {meta['world']} x {meta['gpu']}\n{text}\n{comparison}")
+    if not quiet:
+        print(f"\n{OP} ({meta['dtype']}) on {meta['world']} x {meta['gpu']}\n{text}\n{comparison}")
     if results_dir is None:
         return
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -326,7 +327,8 @@ def write_results(rows, meta, out: Path, results_dir: Path | None) -> None:
     ]
     (results_dir / f"{stem}.md").write_text("\n".join(page))
     (results_dir / f"{stem}.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
-    print(f"wrote {results_dir / (stem + '.md')}")
+    if not quiet:
+        print(f"wrote {results_dir / (stem + '.md')}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -501,12 +503,13 @@ def main(argv=None) -> int:
             shapes = bench.select_shapes(tp.BENCH_SHAPES, args.shapes)
         if args.tokens:
             shapes = [sh for sh in shapes if sh[0] in {int(t) for t in args.tokens.split(",")}]
-        for shape in shapes:
+        for shape in shapes:  # the page is rewritten after every shape: a run cut short keeps what it measured
             rows += run_shape(shape, dtype, rank, world, group, meta, args.impls.split(",") if args.impls else None,
                               args.timing)
             torch.cuda.empty_cache()
-        if rank == 0:
-            write_results(rows, meta, Path(args.out), None if args.no_results else Path(args.results_dir))
+            if rank == 0:
+                write_results(rows, meta, Path(args.out), None if args.no_results else Path(args.results_dir),
+                              quiet=shape != shapes[-1])
     finally:
         dist.barrier()
         dist.destroy_process_group()

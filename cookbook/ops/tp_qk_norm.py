@@ -31,11 +31,14 @@ Contract
   `torch.distributed` is initialized, else a single rank). tp = the group's size; tp=1 is
   `cross_head_norm`. NCCL groups take CUDA tensors, gloo groups CPU tensors (the Numba simulator
   and the reference run there).
-* Collective: every rank of the group must make the same call (same backend, same token count,
-  same shard widths). A mismatch is an error on every rank, never a hang: the NCCL paths compare
-  the ranks' shapes with one small all-reduce first; the fused CUDA kernel compares them on the
-  GPU (see `cookbook.tp_workspace`), leaves every shard untouched, and the error is raised by the
-  next call on each rank (or by `raise_pending_errors()`).
+* Collective: every rank of the group must make the same call: the same backend, token count and
+  shard widths, and the same eps, weight_offset, rounding, dtype and weight storage (AGREED). A
+  disagreement is an error on every rank, never a hang or a rank computing with its own values:
+  the NCCL paths compare all of it with one small all-reduce first (`check_ranks_agree`); the
+  fused CUDA kernel compares it in the header it exchanges (see `cookbook.tp_workspace`), leaves
+  every shard untouched, and the error is raised by the next call on each rank (or by
+  `raise_pending_errors()`). A rank that rejects its own arguments still takes part, to tell the
+  others; a rank that never makes the call is given up on after the group's wait limit.
 * ``rounding``, ``weight_offset``: as in `cross_head_norm`.
 * Returns ``(q_shard, k_shard)``, normalized in place. Nothing is written unless every check passes.
 
