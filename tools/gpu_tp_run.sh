@@ -7,14 +7,16 @@
 #                later call on the same warm machine reuses)
 #     checks     tests/tp_gpu_checks.py on every GPU (CHECKS=quick|full, default quick)
 #     sweep      the TP benchmark on every GPU: MiniMax-M2's widths, every CUDA C version, the local
-#                shard and NCCL's all-reduce of the sums (SHAPES=minimax|full, default minimax);
-#                writes docs/results/tp_qk_norm_<gpu>x<tp>.md (after every shape: a cut run keeps its rows)
+#                shard and NCCL's all-reduce of the sums; writes $PAGES/tp_qk_norm_<gpu>x<tp>.md and
+#                .json after every shape (a run cut short keeps its rows). PAGES defaults to
+#                $OUT/pages, so a partial sweep never replaces a page of record; the pages of record:
+#                SHAPES=full PAGES=docs/results (every implementation and shape, a longer call)
 #     sanitizer  compute-sanitizer memcheck of the small case on every GPU
 #     checks2    the GPU checks on 2 of the GPUs (--quick)
 #     b2b        the sweep timed as SGLang's benchmark did (--timing back_to_back) at 1, 128, 2048
-#                and 16384 tokens: docs/results/tp_qk_norm_<gpu>x<tp>_back_to_back.md
-#     sweep2     the sweep on 2 of the GPUs: docs/results/tp_qk_norm_<gpu>x2.md
-#     propose    v12's dispatch rows that the sweeps' JSON give (cookbook.bench.tp --propose-dispatch)
+#                and 16384 tokens: $PAGES/tp_qk_norm_<gpu>x<tp>_back_to_back.md
+#     sweep2     the sweep on 2 of the GPUs: $PAGES/tp_qk_norm_<gpu>x2.md
+#     propose    v12's dispatch rows that this call's sweeps give (cookbook.bench.tp --propose-dispatch)
 #   default: all of them; a stage that no longer fits the budget is skipped (env.txt says so), for
 #   a second call: bash tools/gpu_tp_run.sh <the skipped stages>,propose
 #
@@ -23,7 +25,7 @@
 set -uo pipefail
 stages=${1:-build,checks,sweep,sanitizer,checks2,b2b,sweep2,propose}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BUDGET_S=${BUDGET_S:-470}; CHECKS=${CHECKS:-quick}; SHAPES=${SHAPES:-minimax}
+BUDGET_S=${BUDGET_S:-470}; CHECKS=${CHECKS:-quick}; SHAPES=${SHAPES:-minimax}; PAGES=${PAGES:-$OUT/pages}
 export PYTHONUNBUFFERED=1 COOKBOOK_BUILD_DIR=${COOKBOOK_BUILD_DIR:-$PWD/build/cookbook}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never multicast
@@ -53,32 +55,30 @@ stage() {
   ((rc == 0)) || status=1
 }
 has() { [[ ",$stages," == *",$1,"* ]]; }
-torchrun() { python3 -m torch.distributed.run --standalone --nproc-per-node="$1" "${@:2}"; }
-build() {
-  python3 -c "from cookbook import cuda; cuda.load('tp_qk_norm')" &
-  local tp=$!
-  python3 -c "from cookbook import cuda; cuda.load('cross_head_norm')"
-  local rc=$?
-  wait $tp && return $rc
-}
-sweep_impls=$(python3 -c "from cookbook import registry; print(','.join([i.name for i in registry.implementations('tp_qk_norm', ('cuda',))] + ['local_cross_head_norm', 'nccl_all_reduce_sums']))")
+ranks() { echo python3 -m torch.distributed.run --standalone --nproc-per-node="$1"; }  # (timeout runs no shell function)
+build='python3 -c "from cookbook import cuda; cuda.load(\"tp_qk_norm\")" & tp=$!
+python3 -c "from cookbook import cuda; cuda.load(\"cross_head_norm\")"; rc=$?; wait $tp && exit $rc'
+if [[ $SHAPES == full ]]; then rows=(); else  # every CUDA C version, the local shard, NCCL's all-reduce of the sums
+  rows=(--impls "$(python3 -c "from cookbook import registry; print(','.join([i.name for i in registry.implementations('tp_qk_norm', ('cuda',))] + ['local_cross_head_norm', 'nccl_all_reduce_sums']))")")
+fi
 checks_args=(); [[ $CHECKS == quick ]] && checks_args=(--quick)
 
-has build && stage build 300 build
-has checks && stage checks 170 torchrun "$nproc" tests/tp_gpu_checks.py "${checks_args[@]}"
-has sweep && stage sweep 200 python3 -m cookbook.bench.tp --nproc "$nproc" --shapes "$SHAPES" --impls "$sweep_impls" \
-  --out "$OUT/bench_sweep"
+has build && stage build 300 bash -c "$build"
+has checks && stage checks 170 $(ranks "$nproc") tests/tp_gpu_checks.py ${checks_args[@]+"${checks_args[@]}"}
+has sweep && stage sweep 200 python3 -m cookbook.bench.tp --nproc "$nproc" --shapes "$SHAPES" ${rows[@]+"${rows[@]}"} \
+  --results-dir "$PAGES" --out "$OUT/bench_sweep"
 has sanitizer && stage sanitizer 100 compute-sanitizer --tool memcheck --report-api-errors no --target-processes all \
-  --error-exitcode 3 python3 -m torch.distributed.run --standalone --nproc-per-node="$nproc" tests/tp_gpu_checks.py --small
-has checks2 && CUDA_VISIBLE_DEVICES=0,1 stage checks2 120 torchrun 2 tests/tp_gpu_checks.py --quick
+  --error-exitcode 3 $(ranks "$nproc") tests/tp_gpu_checks.py --small
+has checks2 && CUDA_VISIBLE_DEVICES=0,1 stage checks2 120 $(ranks 2) tests/tp_gpu_checks.py --quick
 has b2b && stage b2b 100 python3 -m cookbook.bench.tp --nproc "$nproc" --shapes minimax --tokens 1,128,2048,16384 \
-  --timing back_to_back --impls cuda_v5,cuda_v6,cuda_v9,cuda_v10,cuda_v11,cuda_v12,local_cross_head_norm --out "$OUT/bench_b2b"
+  --timing back_to_back --impls cuda_v5,cuda_v6,cuda_v9,cuda_v10,cuda_v11,cuda_v12,local_cross_head_norm \
+  --results-dir "$PAGES" --out "$OUT/bench_b2b"
 has sweep2 && CUDA_VISIBLE_DEVICES=0,1 stage sweep2 200 python3 -m cookbook.bench.tp --nproc 2 --shapes "$SHAPES" \
-  --impls "$sweep_impls" --out "$OUT/bench_sweep2"
+  ${rows[@]+"${rows[@]}"} --results-dir "$PAGES" --out "$OUT/bench_sweep2"
 if has propose; then
-  ls docs/results/tp_qk_norm_*x[0-9].json >/dev/null 2>&1 && \
-    python3 -m cookbook.bench.tp --propose-dispatch docs/results/tp_qk_norm_*x[0-9].json 2>&1 | tee "$OUT/propose.log"
+  ls "$PAGES"/tp_qk_norm_*x[0-9].json >/dev/null 2>&1 && \
+    python3 -m cookbook.bench.tp --propose-dispatch "$PAGES"/tp_qk_norm_*x[0-9].json 2>&1 | tee "$OUT/propose.log"
 fi
-tar czf "$OUT/results.tgz" docs/results/tp_qk_norm_* "$OUT"/*.log "$OUT"/bench_* 2>/dev/null
+tar czf "$OUT/results.tgz" "$PAGES"/tp_qk_norm_* "$OUT"/*.log "$OUT"/bench_* 2>/dev/null
 echo "done in $((SECONDS - start))s, status $status" | tee -a "$OUT/env.txt"
 exit $status
