@@ -1262,7 +1262,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_held_kernel(FusedParam
 // v11: one CTA per token; thread vectors held through the exchange, the next token's loaded before the wait - removes v10's shared tiles between decode and prefill
 // Between decode and prefill v10 runs v6's kernel: a CTA stages four to six tokens in a shared
 // tile, one warp per row, and waits once per tile; at 512 tokens of the MiniMax TP=2 shard that
-// is 128 CTAs on 132 SMs, one warp per row loading 12 packs, and 1.86x the local shard. Here a
+// is 128 CTAs on 132 SMs, one warp per row loading 12 packs, far from the local shard. Here a
 // CTA takes one token at a time and its block is sized to the row pair: thread i holds vectors
 // i, i + blockDim.x, ... (one each at the MiniMax TP=4 shard's 224 threads, two at TP=2's), so
 // every vector of every token in flight is one load of its own, and many short CTAs share an SM (v7's finding: a fast memory path needs many short CTAs with their rows
@@ -1593,12 +1593,12 @@ struct Dispatch {
   bool lagged_prefill;  // above both: v9's lagged walk (true) or v6's tiles
 };
 
-// The rows, from the pages of record (docs/results/tp_qk_norm_h200x<tp>.md, docs/tp_qk_norm.md):
-// TP=2 is v10's dispatch as measured at 7a1cbec. TP=4 and TP=8 run the tiles at prefill: the
-// only prefill kernel their pages measured, and at TP=4 (a quick sweep at d493d78, 16384 x
-// 4096/512) v3/v5's tiles took 37.4 us against 43.3 for v10's lagged walk. v11's token rows
-// have no row yet (0): they wait for their first sweep. World sizes without a page take the
-// row of the next measured size up: their shards are at least as wide.
+// The rows, from measurements (docs/tp_qk_norm.md, "v12", says which): TP=2 is v10's dispatch as
+// its page of record measured it. TP=4 and TP=8 run the tiles at prefill: the only prefill kernel
+// their pages measured, and the one that beat v10's lagged walk in a quick TP=4 sweep. v11's token
+// rows have no range yet (0): they wait for their first sweep (`python -m cookbook.bench.tp
+// --propose-dispatch` reads it). World sizes without a measurement take the row of the next
+// measured size up: their shards are at least as wide.
 constexpr Dispatch kDispatchByWorld[kMaxRanks + 1] = {
     {2, 0, true},   // 0: unused
     {2, 0, true},   // 1: a group of one (the checks run it), as 2
