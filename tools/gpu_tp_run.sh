@@ -20,11 +20,12 @@
 #   default: all of them; a stage that no longer fits the budget is skipped (env.txt says so), for
 #   a second call: bash tools/gpu_tp_run.sh <the skipped stages>,propose
 #
-# Logs go to $OUT (env.txt, one log per stage); the results pages and logs also travel as
-# $OUT/results.tgz (the tool brings back at most 8 files).
+# What comes back in $OUT (the device tool brings back at most 8 files): env.txt (the machine, and
+# each stage's limit, exit status and time), propose.log, and results.tgz: the pages ($PAGES), one
+# log per stage (logs/) and the benchmark's JSON (bench_*/).
 set -uo pipefail
 stages=${1:-build,checks,sweep,sanitizer,checks2,b2b,sweep2,propose}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$OUT" "$LOGS"
 BUDGET_S=${BUDGET_S:-470}; CHECKS=${CHECKS:-quick}; SHAPES=${SHAPES:-minimax}; PAGES=${PAGES:-$OUT/pages}
 export PYTHONUNBUFFERED=1 COOKBOOK_BUILD_DIR=${COOKBOOK_BUILD_DIR:-$PWD/build/cookbook}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
@@ -41,16 +42,16 @@ status=0
 } 2>&1 | tee "$OUT/env.txt"
 
 # stage NAME SECONDS COMMAND...: run it with a timeout of SECONDS or what is left of the budget
-# (less 20 s for the tarball), its output in $OUT/NAME.log; a failure sets the exit status.
+# (less 20 s for the tarball), its output in $LOGS/NAME.log; a failure sets the exit status.
 stage() {
   local name=$1 want=$2; shift 2
   local left=$((BUDGET_S - (SECONDS - start) - 20))
   local limit=$((want < left ? want : left))
   if ((limit < 20)); then echo "== $name: skipped, ${left}s left" | tee -a "$OUT/env.txt"; return; fi
   echo "== $name (limit ${limit}s, $((SECONDS - start))s in)" | tee -a "$OUT/env.txt"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  grep -v "^W1\|NumbaPerformanceWarning\|warn(" "$OUT/$name.log" | tail -30
+  grep -v "^W1\|NumbaPerformanceWarning\|warn(" "$LOGS/$name.log" | tail -30
   echo "== $name: exit $rc after $((SECONDS - start))s" | tee -a "$OUT/env.txt"
   ((rc == 0)) || status=1
 }
@@ -79,6 +80,8 @@ if has propose; then
   ls "$PAGES"/tp_qk_norm_*x[0-9].json >/dev/null 2>&1 && \
     python3 -m cookbook.bench.tp --propose-dispatch "$PAGES"/tp_qk_norm_*x[0-9].json 2>&1 | tee "$OUT/propose.log"
 fi
-tar czf "$OUT/results.tgz" "$PAGES"/tp_qk_norm_* "$OUT"/*.log "$OUT"/bench_* 2>/dev/null
 echo "done in $((SECONDS - start))s, status $status" | tee -a "$OUT/env.txt"
+mkdir -p "$OUT/pages_all" && cp "$PAGES"/tp_qk_norm_* "$OUT/pages_all/" 2>/dev/null  # (PAGES may be docs/results)
+(cd "$OUT" && tar czf results.tgz logs bench_* pages_all 2>/dev/null)
+rm -rf "$OUT/logs" "$OUT"/bench_* "$OUT/pages_all" "$OUT/pages"
 exit $status
