@@ -54,10 +54,8 @@ by a sum over shards), for teaching and tests on one device or a CPU.
 
 from __future__ import annotations
 
-import functools
 import struct
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
