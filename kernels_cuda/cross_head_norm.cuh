@@ -541,8 +541,8 @@ static_assert(kV10MaxHeldVecs <= kV3MaxVecsPerThread, "v10 holds at most v3's ve
 // of the next wave will take, and that CTA finds it in L2. One prefetch.global.L2 per 128-byte
 // line, spread over the block, issued after the CTA's own loads; no register is held for it.
 // Only where v9 keeps the (tokens, 2) grid, below kV9MinWaves waves: with many waves the CTAs in
-// flight alone keep the DRAM busy, and a second request per line costs (bench harness, `build/`
-// probe, H100, us, v10 -> v10 with the warm at every size): 1024 x 4096 (1.9 waves) 13.48 ->
+// flight alone keep the DRAM busy, and a second request per line costs (bench harness, a probe
+// not kept in the repository, H100, us, v10 -> v10 with the warm at every size): 1024 x 4096 (1.9 waves) 13.48 ->
 // 12.72, 1024 x 5120/1024 11.05 -> 10.21, 4096 x 6144/1024 42.03 -> 41.39, but 2048 x 8192 (3.9
 // waves) 48.95 -> 49.73 and 8192 x 8192 186.2 -> 189.0; H200, v10 -> v11: 1024 x 4096 10.33 ->
 // 9.53 (77.3 -> 83.8 % of the copy, past a same-size copy_'s 81 %), 1024 x 5120/1024 8.96 ->
@@ -624,7 +624,7 @@ inline int64_t v13_warm_ctas(const Params& p, int64_t resident) {
 // once and none can store before its row is back (v11's per-CTA timeline at 2048 x 8192: 3.7-4.1
 // us to the first complete row, then 3.5-4.1 us of first-wave stores against 0.8-1.5 later), so
 // a wave's reads and then its writes come as bursts, most likely twice as long at 128 KiB per SM
-// as at 64 KiB. Measured on the H200 (bench harness, `build/` probes, two runs each, % of the copy,
+// as at 64 KiB. Measured on the H200 (bench harness, probes not kept in the repository, two runs each, % of the copy,
 // v13 -> v3's CTA with v13's warm; fused = q and k views of one qkv tensor, the bench's layout):
 //   768 x 8192 (1.5 waves of v7's CTAs)     fused 72.7 -> 80.5    separate 74.2 -> 83.6
 //   1024 x 8192                             fused 77.5 -> 83.0    separate 76.6 -> 87.8

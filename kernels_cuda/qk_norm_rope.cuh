@@ -1046,7 +1046,7 @@ __global__ void __launch_bounds__(V4Traits<T, kHeadDim>::kThreadsPerBlock)
 // 16 registers). The kernel is compiled per storage pair of the tables, so its registers are
 // that pair's own.
 // Decode calls keep v8's one-row kernel, which reads the weights with the row. Probed on the H200
-// (bench harness, `build/` probe of v8's walk built for bf16 weights and a float32 cache, its
+// (bench harness, a probe not kept in the repository of v8's walk built for bf16 weights and a float32 cache, its
 // weights held as floats, against v8, % of the copy, two runs): flux_1024 NeoX 85.2 / 85.0 against
 // 84.0 / 84.1, interleaved 85.8 / 85.5 against 85.0 / 85.0, qwen_image_1024 87.4 / 87.3 against
 // 86.6 / 86.6. (Holding both weights packed and picking the row's by a select, on the grid v8

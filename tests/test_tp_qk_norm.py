@@ -633,7 +633,7 @@ def test_compiled_call_matches_the_full_norm(pool):
 
 @needs_gloo
 def test_eight_ranks():
-    """tp=8 (a full node, issue 6's CPU part): fixed cases agree on every rank, a token mismatch
+    """tp=8 (a full node): fixed cases agree on every rank, a token mismatch
     raises on every rank, torch.compile works. Its own pool: 8 ranks for a few cases only."""
     eight = GlooPool(8)
     try:

@@ -252,11 +252,11 @@ def flops(q, k) -> int:
 
 
 # Shapes the benchmark sweeps: (tokens, q_hidden, k_hidden). 8192/8192: a 64-head model without
-# GQA (the TARGETS rows); 4096/4096: OLMo2-7B; 6144/1024: MiniMax-M2 at TP=1; 5120/1024: Wan-like;
+# GQA (the target rows); 4096/4096: OLMo2-7B; 6144/1024: MiniMax-M2 at TP=1; 5120/1024: Wan-like;
 # 768/128: MiniMax-M2's shard at TP=8 (the rows tp_qk_norm normalizes per rank); 2048/256: a
 # 2048-wide model with 8:1 GQA (narrow rows, many tokens: v8's case). q and k are views of one fused
 # qkv tensor (an engine's layout), except in entries whose fourth element is SEPARATE: two
-# contiguous tensors, as TARGETS.md writes the 2048 x 8192 row (q and k each [tokens, hidden]).
+# contiguous tensors, as the targets write the 2048 x 8192 row (q and k each [tokens, hidden]).
 SEPARATE = "separate"
 BENCH_SHAPES = [
     (1, 8192, 8192),
