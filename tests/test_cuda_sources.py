@@ -120,7 +120,7 @@ def test_docs_tables_match_the_generator(op):
     tools = _docs_versions()
     page = (nvcc_report.KERNEL_DIR.parent / "docs" / f"{op}.md").read_text()
     stale = [line for text in tools.tables(op) for line in text.splitlines() if line.strip() and line not in page]
-    assert not stale, f"docs/{op}.md: rerun `python tools/docs_versions.py {op}` and paste; stale: {stale[:3]}"
+    assert not stale, f"docs/{op}.md: rerun `python tools/docs_versions.py {op}` (`--write` for the ladder layout) and paste; stale: {stale[:3]}"
 
 
 def test_ptxas_report_cache_key_follows_every_header(tmp_path, monkeypatch):
