@@ -262,15 +262,23 @@ GENERATED_END = "<!-- end of generated {} -->"
 
 
 def write_generated(op: str) -> Path:
-    """Rewrite the generated blocks of docs/<op>.md (ladder layout: the ladder and results tables),
-    between their markers."""
+    """Rewrite the generated tables of docs/<op>.md: between their markers (ladder layout: the
+    ladder and results tables), or in place of the block that starts with the same header row and
+    ends with its note in parentheses (the older layout's versions and occupancy tables)."""
     page = RESULTS_DIR.parent / f"{op}.md"
     text = page.read_text()
-    for name, table_text in zip(("ladder", "results"), tables(op)):
-        start, end = GENERATED.format(name), GENERATED_END.format(name)
-        before, rest = text.split(start, 1)
-        _, after = rest.split(end, 1)
-        text = f"{before}{start}\n{table_text}\n{end}{after}"
+    ladder = any(impl.extension is not None for impl in registry.implementations(op))
+    for name, table_text in zip(("ladder", "results") if ladder else ("versions", "occupancy"), tables(op)):
+        if ladder:
+            start, end = GENERATED.format(name), GENERATED_END.format(name)
+            before, rest = text.split(start, 1)
+            _, after = rest.split(end, 1)
+            text = f"{before}{start}\n{table_text}\n{end}{after}"
+            continue
+        lines = text.split("\n")
+        first = lines.index(table_text.split("\n")[0])
+        last = next(i for i in range(first, len(lines)) if lines[i].startswith("("))
+        text = "\n".join(lines[:first] + table_text.split("\n") + lines[last + 1:])
     page.write_text(text)
     return page
 
