@@ -136,7 +136,8 @@ def test_the_shim_reaches_the_kernel_modules_without_the_framework(fake_sglang):
     args = qk_contract.check_inputs(**qk_contract.make_inputs(2, 2, 1, 128), eps=1e-5, weight_offset=0.0,
                                     rounding="fused")
     assert kernel(*bench.positional(args)) == (args.q, args.k)  # in place: the inputs are the outputs
-    assert sys.modules["sglang.jit_kernel.norm"].CALLS == [("qknorm", 1e-5, False)]  # via the stand-in sglang.utils
+    # via the stand-in sglang.utils; eps arrives as the contract checked it: as a float32 value
+    assert sys.modules["sglang.jit_kernel.norm"].CALLS == [("qknorm", float(torch.tensor(1e-5).item()), False)]
     # (the fake package's __init__ raises: it never ran, nor did sglang.srt.utils')
     assert registry.get("cross_head_norm", "sglang_qknorm_across_heads").unavailable("cuda") == (
         "sglang 0.0.1 has no fused_inplace_qknorm_across_heads in sglang.jit_kernel.norm")
