@@ -219,14 +219,27 @@ def tp_qk_norm(q_shard, k_shard, q_weight_shard, k_weight_shard, eps=1e-6, *, gr
             rank's GPU can write into every other's memory, else the NCCL pipeline (said once).
 
     Returns:
-        ``(q_shard, k_shard)``, normalized in place. Ranks that disagree on the token count or the
-        shard widths get an error on every rank, never a hang; the fused kernel reports it at the
-        next call (or `cookbook.api.raise_pending_errors()`).
+        ``(q_shard, k_shard)``, normalized in place.
+
+    Raises:
+        ValueError, TypeError: a bad argument on this rank (the other ranks then raise too: this
+            rank still takes part in the call, to tell them), or ranks that disagree on the shapes
+            or on anything that changes the math (eps, weight_offset, rounding, dtypes, the
+            implementation): an error on every rank, nothing written. The fused kernel reports a
+            disagreement at the next call (or `cookbook.api.raise_pending_errors()`).
+        RuntimeError: another rank rejected its call; or a rank waited longer than the group's
+            wait limit (`cookbook.tp_workspace`: a rank left the call or never made it), which
+            ends the group's use: every later call on it raises.
 
     The contract: `cookbook.ops.tp_qk_norm`.
     """
     C.require_choice("backend", backend, C.BACKENDS)
-    a = tp_contract.check_inputs(q_shard, k_shard, q_weight_shard, k_weight_shard, eps, weight_offset, rounding, group)
+    try:
+        a = tp_contract.check_inputs(q_shard, k_shard, q_weight_shard, k_weight_shard, eps, weight_offset, rounding,
+                                     group)
+    except (ValueError, TypeError):
+        _abstain(group, backend)  # the peers are told, not left waiting
+        raise
     if tp_contract.world_of(a.group)[1] == 1:  # tp=1: the whole row is here
         cross_head_norm(a.q, a.k, a.q_weight, a.k_weight, a.eps, weight_offset=a.weight_offset, rounding=a.rounding,
                         backend=backend)
@@ -243,16 +256,73 @@ def tp_qk_norm(q_shard, k_shard, q_weight_shard, k_weight_shard, eps=1e-6, *, gr
 
 def _run_tp_qk_norm(a: tp_contract.TPQKNormArgs, backend: str) -> None:
     """The collective call on checked arguments: pick the path, check the ranks agree, launch."""
-    impl = resolve_tp(backend, a)
-    raise_pending_errors(a.group)
+    from cookbook import tp_workspace
+
+    ended = tp_workspace.failure(a.group)
+    if ended:
+        raise RuntimeError(ended)
+    try:
+        impl = resolve_tp(backend, a)
+        raise_pending_errors(a.group)  # what an earlier fused launch of this rank reported
+    except (ValueError, RuntimeError):
+        if not tp_workspace.failure(a.group):  # a group that has ended takes no part in anything
+            _abstain(a.group, backend)
+        raise
     if not is_fused(impl):  # the fused kernel compares the ranks' headers on the GPU instead
         capturing = a.q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing:  # a CUDA-graph capture cannot read the all-reduced shapes back
-            tp_contract.check_ranks_agree(a)
+        if not capturing:  # a CUDA-graph capture cannot read the all-reduced values back
+            names = [i.name for i in registry.implementations(tp_contract.OP)]
+            try:
+                tp_contract.check_ranks_agree(a, names.index(impl.name) + 1, implementations=names,
+                                              wait_limit_s=tp_workspace.state(a.group).wait_limit_s)
+            except tp_contract.WaitLimitExceeded as error:
+                tp_workspace.fail(a.group, str(error))
+                raise
         if a.q.shape[0] == 0:
             return
-    # The fused kernel launches even with no tokens: its header tells the peers this rank's count.
-    impl.fn(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group)
+        impl.fn(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group)
+        return
+    tp_workspace.count_call(a.group)  # the header's call number
+    try:  # (the fused kernel launches even with no tokens: its header tells the peers this rank's call)
+        impl.fn(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding, a.group)
+    except Exception as error:  # counted, maybe not launched: out of step with the peers, who give up on it
+        tp_workspace.fail(a.group, f"tp_qk_norm: rank {dist.get_rank(a.group)} failed to launch a fused call "
+                                   f"({type(error).__name__}: {error}); the group is out of step, so every later "
+                                   f"tp_qk_norm call on it raises: create a new process group")
+        raise
+
+
+def _abstain(group, backend: str) -> None:
+    """This rank rejected its call: take part anyway, on the path its peers take, saying so (the
+    fused kernel's absent header, or the host exchange's rejected flag), so that they raise
+    instead of waiting and every rank stays in step. Nothing where there is no group to tell (or
+    under torch.compile, whose tracing runs the checks on every rank alike)."""
+    if torch.compiler.is_compiling() or backend not in C.BACKENDS:
+        return
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup) or dist.get_world_size(group) == 1:
+        return
+    from cookbook import tp_workspace
+
+    if tp_workspace.failure(group):
+        return
+    try:
+        on_gpu = dist.get_backend(group) == "nccl"
+        fused = on_gpu and backend in ("auto", "cuda") and is_fused(registry.fastest(tp_contract.OP))
+        if fused:  # the peers decide as resolve_tp does: the kernels built, then the workspace
+            from cookbook import cuda
+
+            cuda.load("tp_qk_norm")
+            fused = tp_workspace.unavailable(group) is None
+        if fused:
+            tp_workspace.abstain(group)
+        else:
+            tp_contract.check_ranks_agree(None, group=group, wait_limit_s=tp_workspace.state(group).wait_limit_s)
+    except Exception as error:  # noqa: BLE001 - the rank's own error is the one to raise; the group is lost
+        tp_workspace.fail(group, f"tp_qk_norm: rank {dist.get_rank(group)} rejected a call and could not tell its "
+                                 f"peers ({type(error).__name__}: {error}); the group is out of step, so every later "
+                                 f"tp_qk_norm call on it raises: create a new process group")
 
 
 def _run_tp_qk_norm_by_group_name(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -283,14 +353,17 @@ def resolve_tp(backend: str, a: tp_contract.TPQKNormArgs):
     """The tp_qk_norm implementation `backend` names. On CUDA, "auto" and "cuda" take the fused
     kernel when every rank's GPU can write into every other's memory (one node, P2P/NVLink), else
     the NCCL pipeline cuda_v1, and say so once. The decision is made once per group,
-    collectively, so every rank takes the same path."""
+    collectively, so every rank takes the same path. The kernels are built before the group's
+    workspace is created: that creation ends in a barrier, so a rank that builds for minutes
+    does not leave its peers' first launch waiting."""
     device = a.q.device
     if backend == "auto" and device.type != "cuda":
         return registry.latest("tp_qk_norm", "reference")
     impl = registry.resolve("tp_qk_norm", "cuda" if backend == "auto" else backend, device)
     if is_fused(impl):
-        from cookbook import tp_workspace
+        from cookbook import cuda, tp_workspace
 
+        cuda.load("tp_qk_norm")
         reason = tp_workspace.unavailable(a.group)
         if reason:
             _say_fallback(reason)
@@ -299,9 +372,10 @@ def resolve_tp(backend: str, a: tp_contract.TPQKNormArgs):
 
 
 def raise_pending_errors(group=None) -> None:
-    """Raise the mismatch a fused tp_qk_norm call detected on the GPU (if any) on this rank; the
-    fused path runs it at the start of every call. Call after `torch.cuda.synchronize()` to check
-    the last call."""
+    """Raise what this rank's group recorded, if any: a failure that ended the group (every later
+    call raises it), or, once, what an earlier fused launch reported (ranks that disagreed, a peer
+    that did not take part). The fused path runs it at the start of every call; call it after
+    `torch.cuda.synchronize()` to check the last call."""
     from cookbook import tp_workspace
 
     tp_workspace.raise_pending_errors(group)

@@ -224,6 +224,8 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _cuda("tp_qk_norm", 8, "v7 with each thread's effective weights (w + weight_offset, fp32) held in registers for the whole walk, loaded once before its first token - removes the weight loads, conversions and offset adds from every token a CTA finishes: Nsight Compute showed v7's walk issue-bound (73 % of issue slots busy), not waiting on DRAM"),
         _cuda("tp_qk_norm", 9, "v8 with the effective weights kept in shared memory instead of registers: each thread writes its own columns' fp32 weights there once, before the walk, and reads them back at every finish - keeps v8's per-step savings at v7's register count (72 instead of 96 at the MiniMax shard: 7 CTAs per SM instead of 5) and extends them to 8 vectors per thread"),
         _cuda("tp_qk_norm", 10, "v9 with, at decode sizes, each lane's packs of its row and their weights loaded together into registers before the exchange and kept there through it - removes the decode kernel's weight loads after the wait (a memory round trip on every call's critical path; the L1 prefetch did not hide it) and its shared-memory tile"),
+        _cuda("tp_qk_norm", 11, "one CTA per token; thread vectors held through the exchange, the next token's loaded before the wait - removes v10's shared tiles between decode and prefill"),
+        _cuda("tp_qk_norm", 12, "v10's and v11's kernels chosen per chunk from a table keyed by world size - removes v10's dispatch, tuned at TP=2 alone"),
         Impl("tp_qk_norm", "all_gather", "peer", 0, "cookbook.peers:tp_qk_norm_all_gather",
              "the naive baseline: all-gather the shards, normalize the gathered rows, keep this rank's columns"),
     ],

@@ -20,10 +20,14 @@
 // v8: v7 with each thread's effective weights (w + weight_offset, fp32) held in registers for the whole walk, loaded once before its first token - removes the weight loads, conversions and offset adds from every token a CTA finishes: Nsight Compute showed v7's walk issue-bound (73 % of issue slots busy), not waiting on DRAM
 // v9: v8 with the effective weights kept in shared memory instead of registers: each thread writes its own columns' fp32 weights there once, before the walk, and reads them back at every finish - keeps v8's per-step savings at v7's register count (72 instead of 96 at the MiniMax shard: 7 CTAs per SM instead of 5) and extends them to 8 vectors per thread
 // v10: v9 with, at decode sizes, each lane's packs of its row and their weights loaded together into registers before the exchange and kept there through it - removes the decode kernel's weight loads after the wait (a memory round trip on every call's critical path; the L1 prefetch did not hide it) and its shared-memory tile
+// v11: one CTA per token; thread vectors held through the exchange, the next token's loaded before the wait - removes v10's shared tiles between decode and prefill
+// v12: v10's and v11's kernels chosen per chunk from a table keyed by world size - removes v10's dispatch, tuned at TP=2 alone
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
 #pragma once
+
+#include <cstring>
 
 #include "cross_head_norm.cuh"
 #include "include/common.cuh"
@@ -180,40 +184,115 @@ inline void launch_apply(const ApplyParams& a, cudaStream_t stream) {
 // Every word is (epoch << 32) | payload; a reader waits until the tag is the current epoch.
 // ------------------------------------------------------------------------------------------
 constexpr int kMaxRanks = 8;
-constexpr int kParities = 2;     // a rank runs at most one call ahead of its peers
-constexpr int kHeaderWords = 3;  // the call's tokens, q shard width, k shard width
-constexpr int kEpochCounter = 0;   // counters[]: the current launch's epoch,
-constexpr int kDoneCounter = 1;    // how many CTAs of this launch have finished,
-constexpr int kFailedCounter = 2;  // and the epoch a call's later chunks run at when its first chunk
-                                   // found the ranks disagreeing (they then do nothing)
-constexpr int kNumCounters = 3;
-constexpr int kStatusFlag = 0;    // status[]: 1 once a mismatch was seen; then its details:
-constexpr int kStatusPeer = 1;
-constexpr int kStatusWord = 2;
-constexpr int kStatusTheirs = 3;
-constexpr int kStatusOurs = 4;
+constexpr int kParities = 2;  // a rank runs at most one call ahead of its peers
+
+// The call's header: everything that must be the same on every rank, one 32-bit payload a word.
+// Each launch publishes it to every rank and compares every rank's with its own before it writes
+// anything, so ranks that disagree on the shapes (a rank with more tokens would wait for sums
+// nobody sends) or on anything that changes the math (eps, weight_offset, rounding, dtypes, the
+// implementation: each would compute with its own) all leave their shards untouched and report.
+constexpr int kHeaderTokens = 0;   // the whole call's T (below 2^31)
+constexpr int kHeaderWidths = 1;   // (q shard width / 2) << 16 | (k shard width / 2): even widths up to 65536
+constexpr int kHeaderEps = 2;      // eps, float32 bits (what the kernel computes with)
+constexpr int kHeaderOffset = 3;   // weight_offset, float32 bits
+constexpr int kHeaderMath = 4;     // dtype, rounding, the weights' storage and the version (kMath* below)
+constexpr int kHeaderWords = 5;
+constexpr int kWidthShift = 16;
+constexpr int kMathDTypeShift = 0;  // DType: 2 bits
+constexpr int kMathHfBit = 2;       // rounding == "hf"
+constexpr int kMathQWeightFp32Bit = 3;
+constexpr int kMathKWeightFp32Bit = 4;
+constexpr int kMathVersionShift = 8;
+constexpr int kMathCallShift = 16;  // the low 16 bits of the host's count of the group's calls
+// Every word of a rank that does not take part in the call: it rejected its arguments (and
+// launched only to say so, so that the ranks stay in step). No real word takes this value:
+// T < 2^31, the halved widths are at most 2^15, eps and weight_offset are finite (these bits are
+// a NaN), and the math word's bits 5 to 7 are 0.
+constexpr uint32_t kAbsent = 0xffffffffu;
+
+// counters[]: device words of the protocol, int32 each.
+constexpr int kEpochCounter = 0;      // the current launch's epoch,
+constexpr int kDoneCounter = 1;       // how many CTAs of this launch have finished (or read the epoch),
+constexpr int kFailedCounter = 2;     // the epoch a call's later chunks run at when an earlier chunk failed
+                                      // (they then do nothing),
+constexpr int kGaveUpCounter = 3;     // 1 once this rank gave up waiting (its later waits give up at once),
+constexpr int kWaitLimitCounter = 4;  // how long a CTA's header waits may last, in ticks of 2^10 ns (the host sets it),
+constexpr int kReportWhat = 5;        // and the report of the first failure since the host last read it:
+constexpr int kReportTheirs = 6;      // kind | peer << kReportPeerShift | header word << kReportWordShift
+constexpr int kReportOurs = 7;        // (0: none), the peer's payload of that word and this rank's,
+constexpr int kReportEpoch = 8;       // and the launch's epoch
+constexpr int kNumCounters = 9;
+constexpr int kMismatch = 1;  // report kinds
+constexpr int kGaveUp = 2;
+constexpr int kReportPeerShift = 4;
+constexpr int kReportWordShift = 8;
+// status: pinned host words: [kStatusReport] 1 once there is a report to read (the host reads it
+// from the counters after waiting for the GPU: a plain memory read at the start of every call),
+// [kStatusCallNumber] the host's count of the group's calls (read by the binding at each launch).
+constexpr int kStatusReport = 0;
+constexpr int kStatusCallNumber = 1;
+constexpr int kNumStatusWords = 2;
 
 struct FusedParams {
   Params shard;               // num_tokens: this launch's chunk of the call
-  int64_t call_tokens;        // the whole call's T: published in the header
+  uint32_t header[kHeaderWords];  // this call's (call_header below), the same for every chunk
   float q_full_width;         // q_hidden * tp
   float k_full_width;
   uint64_t* buffers[kMaxRanks];  // every rank's buffer, as mapped into this process
   int rank;
   int world;
   int64_t capacity;           // token slots per parity
-  int chunk_index;            // 0: the call's first launch (the one that checks the headers)
+  int chunk_index;            // 0: the call's first launch
   int tokens_per_cta;
   int slices_per_row;         // v3: warps that share a row (1 in v2)
-  uint32_t* counters;         // [kEpochCounter, kDoneCounter], this GPU
-  volatile int64_t* status;   // pinned host memory
+  uint32_t* counters;         // [kNumCounters], this GPU
+  volatile int64_t* status;   // [kNumStatusWords], pinned host memory
 };
+
+// Host: the header of a call (kHeader* above), as every rank computes it from its own arguments and
+// its count of the group's calls (tp_workspace keeps it, and every rank counts every call, a
+// rejected one too: a rank whose count differs made a different sequence of calls).
+inline void call_header(FusedParams& p, int64_t call_tokens, DType dtype, bool hf_rounding, int version,
+                        int64_t call_number) {
+  const auto bits = [](float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof(u));
+    return u;
+  };
+  p.header[kHeaderTokens] = static_cast<uint32_t>(call_tokens);
+  p.header[kHeaderWidths] = static_cast<uint32_t>(p.shard.q_hidden / 2) << kWidthShift |
+                            static_cast<uint32_t>(p.shard.k_hidden / 2);
+  p.header[kHeaderEps] = bits(p.shard.eps);
+  p.header[kHeaderOffset] = bits(p.shard.weight_offset);
+  p.header[kHeaderMath] = static_cast<uint32_t>(dtype) << kMathDTypeShift | uint32_t{hf_rounding} << kMathHfBit |
+                          uint32_t{p.shard.q_weight_is_fp32} << kMathQWeightFp32Bit |
+                          uint32_t{p.shard.k_weight_is_fp32} << kMathKWeightFp32Bit |
+                          static_cast<uint32_t>(version) << kMathVersionShift |
+                          static_cast<uint32_t>(call_number & 0xffff) << kMathCallShift;
+}
+
+// Host: the header of a rank that does not take part (kAbsent in every word).
+inline void absent_header(FusedParams& p) {
+  for (uint32_t& word : p.header) word = kAbsent;
+}
+
+// Header word `word` of this call, by selects rather than an index into the parameters (an
+// indexed parameter costs the register-bound kernels registers they do not have).
+__device__ __forceinline__ uint32_t header_of(const FusedParams& p, int word) {
+  static_assert(kHeaderWords == 5, "the selects below");
+  return word == kHeaderTokens   ? p.header[kHeaderTokens]
+         : word == kHeaderWidths ? p.header[kHeaderWidths]
+         : word == kHeaderEps    ? p.header[kHeaderEps]
+         : word == kHeaderOffset ? p.header[kHeaderOffset]
+                                 : p.header[kHeaderMath];
+}
 
 __device__ __forceinline__ uint64_t tagged(uint32_t epoch, uint32_t payload) {
   return (static_cast<uint64_t>(epoch) << 32) | payload;
 }
 
 __device__ __forceinline__ uint32_t payload_of(uint64_t word) { return static_cast<uint32_t>(word); }
+__device__ __forceinline__ uint32_t tag_of(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
 
 // A 64-bit store is single-copy atomic: a reader sees the old word or the new one, never a mix,
 // so the tag vouches for its payload without a fence. System scope: the reader is another GPU.
@@ -221,12 +300,19 @@ __device__ __forceinline__ void store_word(uint64_t* addr, uint64_t word) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(word) : "memory");
 }
 
-__device__ __forceinline__ uint64_t wait_for_epoch(const uint64_t* addr, uint32_t epoch) {
+__device__ __forceinline__ uint64_t load_word(const uint64_t* addr) {
   uint64_t word;
-  do {
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(word) : "l"(addr) : "memory");
-  } while (static_cast<uint32_t>(word >> 32) != epoch);
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(word) : "l"(addr) : "memory");
   return word;
+}
+
+// The GPU's global timer (the same clock on every SM) in ticks of 2^10 ns (a shift, where a
+// division by 1000 would take registers the lagged kernels do not have), modulo 2^32 (73 minutes).
+constexpr int kTickShift = 10;
+__device__ __forceinline__ uint32_t global_ticks() {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return static_cast<uint32_t>(ns >> kTickShift);
 }
 
 __device__ __forceinline__ uint64_t* header_word(const FusedParams& p, uint64_t* buffer, int parity, int source,
@@ -240,11 +326,6 @@ __device__ __forceinline__ uint64_t* sum_slot(const FusedParams& p, uint64_t* bu
   return slots + ((parity * p.capacity + token) * kNumTensors + tensor) * p.world + source;
 }
 
-__device__ __forceinline__ uint32_t header_payload(const FusedParams& p, int word) {
-  if (word == 0) return static_cast<uint32_t>(p.call_tokens);
-  return static_cast<uint32_t>(word == 1 ? p.shard.q_hidden : p.shard.k_hidden);
-}
-
 // Epochs run 1, 2, ..., 2^32 - 1, then 2, 3, ...: 0 is a fresh buffer's tag and never a launch's,
 // and the parity keeps alternating across the wrap (2^32 - 1 is odd, 2 even).
 constexpr uint32_t kLastEpoch = 0xffffffffu;
@@ -254,28 +335,102 @@ __device__ __forceinline__ uint32_t next_epoch(uint32_t epoch) {
   return epoch == kLastEpoch ? kEpochAfterWrap : epoch + 1u;
 }
 
-__device__ __forceinline__ uint32_t read_epoch(const FusedParams& p) {
-  return *static_cast<volatile uint32_t*>(p.counters + kEpochCounter);
+__device__ __forceinline__ uint32_t counter(const FusedParams& p, int which) {
+  return *static_cast<volatile uint32_t*>(p.counters + which);
 }
 
-// A later chunk of a call whose first chunk found the ranks disagreeing: the peers may have no such
-// chunk, so it neither waits nor advances the epoch (every CTA reads the same marker).
+__device__ __forceinline__ uint32_t read_epoch(const FusedParams& p) { return counter(p, kEpochCounter); }
+
+// A later chunk of a call whose earlier chunk failed: the peers may have no such chunk, so it
+// neither waits nor advances the epoch (every CTA reads the same marker).
 __device__ __forceinline__ bool chunk_abandoned(const FusedParams& p, uint32_t epoch) {
-  return p.chunk_index > 0 && *static_cast<volatile uint32_t*>(p.counters + kFailedCounter) == epoch;
+  return p.chunk_index > 0 && counter(p, kFailedCounter) == epoch;
 }
 
-__device__ __forceinline__ void record_mismatch(const FusedParams& p, uint32_t epoch, int source, int word,
-                                                uint32_t theirs) {
-  if (p.chunk_index == 0) p.counters[kFailedCounter] = next_epoch(epoch);  // the later chunks' epoch
-  p.status[kStatusPeer] = source;
-  p.status[kStatusWord] = word;
-  p.status[kStatusTheirs] = theirs;
-  p.status[kStatusOurs] = header_payload(p, word);
-  __threadfence_system();  // the details before the flag
-  p.status[kStatusFlag] = 1;
+// The report of a failed launch, for the host (cookbook/tp_workspace.py raises it at the next
+// call): the first report since the host last read one keeps its details. Device words and one
+// host word, packed: it runs inside the kernels' header checks, where every register counts.
+__device__ __forceinline__ void report(const FusedParams& p, uint32_t epoch, int kind, int peer, int word,
+                                       uint32_t theirs, uint32_t ours) {
+  const uint32_t what = static_cast<uint32_t>(kind | peer << kReportPeerShift | word << kReportWordShift);
+  if (atomicCAS(p.counters + kReportWhat, 0u, what) == 0u) {
+    p.counters[kReportTheirs] = theirs;
+    p.counters[kReportOurs] = ours;
+    p.counters[kReportEpoch] = epoch;
+  }
+  p.status[kStatusReport] = 1;
 }
 
-// This rank's half `parity` of its own buffer (headers and slots), zeroed by the whole CTA.
+// A failed launch's later chunks (which the peers may not have) do nothing.
+__device__ __forceinline__ void abandon_later_chunks(const FusedParams& p, uint32_t epoch) {
+  p.counters[kFailedCounter] = next_epoch(epoch);
+}
+
+// What the threads of a CTA share about its call: whether it still stands (every header agreed,
+// no wait gave up), and when its header waits give up: the wait limit after the CTA started (one
+// deadline per CTA, in shared memory: a waiting thread holds no clock in registers).
+struct CallState {
+  int ok;
+  uint32_t deadline;  // global_ticks()
+};
+
+// Thread 0 of every CTA, first (the CTA's barriers then publish it). On a rank that has given up
+// the deadline is now: a header that is not there gives up at once (a launch gives up once, not
+// once per wave of CTAs).
+__device__ __forceinline__ void open_call(const FusedParams& p, CallState& call) {
+  call.ok = 1;
+  call.deadline = global_ticks() + (counter(p, kGaveUpCounter) != 0 ? 0u : counter(p, kWaitLimitCounter));
+}
+
+// Waits until the word at `addr` carries `epoch` (true, the word in `word`); gives up (false) once
+// the CTA's call has failed (a thread found a header that differs or never came). Unbounded by
+// itself: the kernels wait for a peer's partial sums only beside or after the check of that peer's
+// header, whose wait is bounded (header_agrees), so a peer that never makes the call stops them;
+// once every header has come, every peer is in this launch and pushes its sums.
+__device__ __forceinline__ bool wait_for_word(const uint64_t* addr, uint32_t epoch, const volatile int* keep_waiting,
+                                              uint64_t& word) {
+  do {
+    word = load_word(addr);
+    if (tag_of(word) == epoch) return true;
+  } while (*keep_waiting);
+  return false;
+}
+
+// Header word `i` (source i / kHeaderWords) against this call's: false if it differs (reported,
+// unless this rank is the one not taking part), or if it has not come by the CTA's deadline: then
+// this rank gives up on the call. It remembers that (its later launches give up at once), makes
+// the call's later chunks do nothing, and reports. (A source that launches the call late finds
+// this launch's header and sums: its own if it was merely slow, and a different call number in
+// the math word if it skipped a call, so it never computes with another call's sums.)
+__device__ __forceinline__ bool header_agrees(const FusedParams& p, uint32_t epoch, int parity, int i,
+                                              const volatile CallState* call) {
+  const int source = i / kHeaderWords, word = i % kHeaderWords;
+  const uint64_t* const addr = header_word(p, p.buffers[p.rank], parity, source, word);
+  uint64_t got;
+  bool came = true;
+  for (;;) {
+    got = load_word(addr);
+    if (tag_of(got) == epoch) break;
+    if (call->ok == 0) return false;
+    if (static_cast<int32_t>(global_ticks() - call->deadline) > 0) {  // past it (right across the clock's wrap)
+      came = false;
+      break;
+    }
+  }
+  const uint32_t ours = header_of(p, word);
+  if (came && payload_of(got) == ours) return true;
+  if (!came) p.counters[kGaveUpCounter] = 1;
+  if (!came || ours != kAbsent) {  // (a rank not taking part reports nothing of its own)
+    abandon_later_chunks(p, epoch);
+    report(p, epoch, came ? kMismatch : kGaveUp, source, word, payload_of(got), ours);
+  }
+  return false;
+}
+
+// Every CTA calls it last (all threads): the last CTA to finish advances the epoch for the next
+// launch (stream order publishes it). In the last two launches before the wrap it first zeroes the
+// half of its buffer that launch used: after the wrap no word can carry a tag that looks current.
+// (Safe: no peer writes into that half again before this rank's next launch has started.)
 __device__ __forceinline__ void clear_parity(const FusedParams& p, int parity) {
   uint64_t* const mine = p.buffers[p.rank];
   for (int i = threadIdx.x; i < p.world * kHeaderWords; i += blockDim.x) {
@@ -286,10 +441,6 @@ __device__ __forceinline__ void clear_parity(const FusedParams& p, int parity) {
   for (int64_t i = threadIdx.x; i < words; i += blockDim.x) slots[i] = 0;
 }
 
-// Every CTA calls it last (all threads): the last CTA to finish advances the epoch for the next
-// launch (stream order publishes it). In the last two launches before the wrap it first zeroes the
-// half of its buffer that launch used: after the wrap no word can carry a tag that looks current.
-// (Safe: no peer writes into that half again before this rank's next launch has started.)
 __device__ __forceinline__ void end_launch(const FusedParams& p, uint32_t epoch, int parity) {
   __shared__ int is_last_cta;
   __syncthreads();
@@ -304,21 +455,12 @@ __device__ __forceinline__ void end_launch(const FusedParams& p, uint32_t epoch,
   }
 }
 
-// The call's header (tokens, widths), from the first CTA to every rank, itself included.
+// The call's header, from the first CTA to every rank, itself included.
 __device__ __forceinline__ void publish_header(const FusedParams& p, uint32_t epoch, int parity) {
   if (blockIdx.x == 0 && threadIdx.x < p.world * kHeaderWords) {
     const int dest = threadIdx.x / kHeaderWords, word = threadIdx.x % kHeaderWords;
-    store_word(header_word(p, p.buffers[dest], parity, p.rank, word), tagged(epoch, header_payload(p, word)));
+    store_word(header_word(p, p.buffers[dest], parity, p.rank, word), tagged(epoch, header_of(p, word)));
   }
-}
-
-// Header word `i` (source i / kHeaderWords) against this call's; false (and recorded) if it differs.
-__device__ __forceinline__ bool header_agrees(const FusedParams& p, uint32_t epoch, int parity, int i) {
-  const int source = i / kHeaderWords, word = i % kHeaderWords;
-  const uint32_t theirs = payload_of(wait_for_epoch(header_word(p, p.buffers[p.rank], parity, source, word), epoch));
-  if (theirs == header_payload(p, word)) return true;
-  record_mismatch(p, epoch, source, word, theirs);
-  return false;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -483,7 +625,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
   using P = Pack<T, kElems>;
   extern __shared__ __align__(kVecBytes) unsigned char tile_bytes[];
   __shared__ float partials[kMaxRowsPerCta][kMaxRanks];
-  __shared__ int ranks_agree;
+  __shared__ CallState call;
 
   if constexpr (kProgrammatic) after_prior_grids();
   const uint32_t epoch = read_epoch(p);
@@ -497,7 +639,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
   const int rows = kNumTensors * tokens;
   P* const tile = reinterpret_cast<P*>(tile_bytes);
 
-  if (threadIdx.x == 0) ranks_agree = 1;
+  if (threadIdx.x == 0) open_call(p, call);
   publish_header(p, epoch, parity);
 
   // Phase 1: read, stage, sum, push.
@@ -509,24 +651,30 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(FusedParams p) {
       store_word(sum_slot(p, p.buffers[lane], parity, t.token, t.tensor, p.rank), tagged(epoch, __float_as_uint(sum_sq)));
     }
   }
-  __syncthreads();  // ranks_agree is initialized
+  __syncthreads();  // the call's state is initialized
 
   // Phase 2: every rank's header must match ours before anyone waits for sums that may never come.
-  if (threadIdx.x < p.world * kHeaderWords && !header_agrees(p, epoch, parity, threadIdx.x)) ranks_agree = 0;
+  if (threadIdx.x < p.world * kHeaderWords && !header_agrees(p, epoch, parity, threadIdx.x, &call)) call.ok = 0;
   __syncthreads();
-  const bool agree = ranks_agree != 0;
+  const bool agree = call.ok != 0;
 
   // Phase 3: thread (row, source) waits for that source's partial of the row.
   if (agree && threadIdx.x < rows * p.world) {
     const int row = threadIdx.x / p.world, source = threadIdx.x % p.world;
     const TileRow<T> t = tile_row<T>(p, first_token, tokens, row);
     const uint64_t* slot = sum_slot(p, p.buffers[p.rank], parity, t.token, t.tensor, source);
-    partials[row][source] = __uint_as_float(payload_of(wait_for_epoch(slot, epoch)));
+    uint64_t word;
+    if (wait_for_word(slot, epoch, &call.ok, word)) {
+      partials[row][source] = __uint_as_float(payload_of(word));
+    } else {
+      call.ok = 0;
+    }
   }
   __syncthreads();
+  const bool summed = call.ok != 0;  // every wait came back (a peer may have vanished meanwhile)
 
   // Phase 4: normalize the staged rows and write them.
-  for (int row = warp; agree && row < rows; row += kFusedWarps) {
+  for (int row = warp; summed && row < rows; row += kFusedWarps) {
     const TileRow<T> t = tile_row<T>(p, first_token, tokens, row);
     float total = 0.f;
     for (int source = 0; source < p.world; ++source) total += partials[row][source];  // rank order
@@ -553,16 +701,6 @@ static_assert(kMaxRowsPerCta >= kFusedWarps, "v3: (row, slice) units never outnu
 static_assert(kMaxRowsPerCta * kMaxRanks + kMaxRanks * kHeaderWords <= kFusedThreads,
               "v3: the waiting threads and the header-checking threads are disjoint");
 
-// Waits like wait_for_epoch, but gives up (false) once *keep_waiting is 0.
-__device__ __forceinline__ bool wait_for_epoch_unless(const uint64_t* addr, uint32_t epoch,
-                                                      const volatile int* keep_waiting, uint64_t& word) {
-  do {
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(word) : "l"(addr) : "memory");
-    if (static_cast<uint32_t>(word >> 32) == epoch) return true;
-  } while (*keep_waiting);
-  return false;
-}
-
 // v4: the decode kernel advances the epoch as soon as every CTA has read it (an atomic beside the wait) instead of after every CTA has finished - removes v3's end-of-kernel atomic round trip
 // Safe: each CTA reads the epoch once, at its start, before it counts itself in, so the last CTA
 // to count itself in can advance it; the next launch starts only after this one completes. The
@@ -581,12 +719,12 @@ __device__ __forceinline__ void count_in_for_the_epoch(const FusedParams& p, uin
 
 // Phase 2+3 of the decode kernels (v3 on): thread (row, rank r) adds up the row's slice sums in
 // a fixed order, pushes the partial to rank r and waits for rank r's; the top world *
-// kHeaderWords threads check the headers meanwhile (a mismatch clears *ranks_agree, which stops
+// kHeaderWords threads check the headers meanwhile (a mismatch clears call->ok, which stops
 // the waits), and from v4 on one other thread counts the CTA in for the next epoch.
 template <typename T, bool kEarlyEpoch>
 __device__ __forceinline__ void exchange_row_sums(const FusedParams& p, uint32_t epoch, int64_t first_token, int tokens,
                                                   int slices, const float* unit_sums,
-                                                  float (*partials)[kMaxRanks], int* ranks_agree) {
+                                                  float (*partials)[kMaxRanks], CallState* call) {
   const int parity = static_cast<int>(epoch % kParities);
   const bool near_wrap = epoch >= kLastEpoch - 1;
   const int rows = kNumTensors * tokens;
@@ -598,11 +736,13 @@ __device__ __forceinline__ void exchange_row_sums(const FusedParams& p, uint32_t
     for (int slice = 0; slice < slices; ++slice) sum_sq += unit_sums[row * slices + slice];  // fixed order
     store_word(sum_slot(p, p.buffers[r], parity, t.token, t.tensor, p.rank), tagged(epoch, __float_as_uint(sum_sq)));
     uint64_t word;
-    if (wait_for_epoch_unless(sum_slot(p, p.buffers[p.rank], parity, t.token, t.tensor, r), epoch, ranks_agree, word)) {
+    if (wait_for_word(sum_slot(p, p.buffers[p.rank], parity, t.token, t.tensor, r), epoch, &call->ok, word)) {
       partials[row][r] = __uint_as_float(payload_of(word));
+    } else {
+      call->ok = 0;
     }
-  } else if (header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread)) {
-    *ranks_agree = 0;
+  } else if (header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread, call)) {
+    call->ok = 0;
   } else if (kEarlyEpoch && !near_wrap && threadIdx.x == kEpochThread) {
     count_in_for_the_epoch(p, epoch);
   }
@@ -615,7 +755,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
   extern __shared__ __align__(kVecBytes) unsigned char tile_bytes[];
   __shared__ float unit_sums[kMaxRowsPerCta];  // one per (row, slice)
   __shared__ float partials[kMaxRowsPerCta][kMaxRanks];
-  __shared__ int ranks_agree;
+  __shared__ CallState call;
 
   if constexpr (kProgrammatic) after_prior_grids();
   const uint32_t epoch = read_epoch(p);
@@ -633,7 +773,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
   const int lanes_per_row = slices * kWarpSize;
   P* const tile = reinterpret_cast<P*>(tile_bytes);
 
-  if (threadIdx.x == 0) ranks_agree = 1;
+  if (threadIdx.x == 0) open_call(p, call);
   publish_header(p, epoch, parity);
 
   // Phase 1: warp (row, slice) reads packs slice * 32 + lane, + slices * 32, ... of its row.
@@ -649,9 +789,9 @@ __global__ void __launch_bounds__(kFusedThreads) fused_v3_kernel(FusedParams p) 
 
   // Phase 2+3: thread (row, rank r) pushes the row's partial to rank r and waits for rank r's;
   // the top world * kHeaderWords threads check the headers meanwhile.
-  exchange_row_sums<T, kEarlyEpoch>(p, epoch, first_token, tokens, slices, unit_sums, partials, &ranks_agree);
+  exchange_row_sums<T, kEarlyEpoch>(p, epoch, first_token, tokens, slices, unit_sums, partials, &call);
   __syncthreads();
-  const bool agree = ranks_agree != 0;
+  const bool agree = call.ok != 0;
 
   // Phase 4: the same (row, slice) units normalize their packs from the tile and write them.
   for (int unit = warp; agree && unit < units; unit += kFusedWarps) {
@@ -854,7 +994,7 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
   static_assert(!kHeldWeights || kVecsPerThread <= kHeldWeightsMaxVecs, "v8 holds the weights of few vectors");
   constexpr int kElems = Vec<T>::kElems;
   __shared__ float partials[kNumTensors][kMaxRanks];
-  __shared__ int ranks_agree;
+  __shared__ CallState call;
   __shared__ std::conditional_t<kSharedWeights, SharedWeights<T, kVecsPerThread>, char> shared_w;  // v9 only
 
   after_prior_grids();
@@ -868,7 +1008,7 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
   const int header_thread = threadIdx.x - (blockDim.x - p.world * kHeaderWords);
   const int epoch_thread = blockDim.x - 1 - p.world * kHeaderWords;
 
-  if (threadIdx.x == 0) ranks_agree = 1;
+  if (threadIdx.x == 0) open_call(p, call);
   __syncthreads();
   publish_header(p, epoch, parity);
 
@@ -927,18 +1067,19 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
       if (threadIdx.x < waiting_threads) {
         const int tensor = threadIdx.x / p.world, r = threadIdx.x % p.world;
         uint64_t word;
-        if (wait_for_epoch_unless(sum_slot(p, p.buffers[p.rank], parity, finished, tensor, r), epoch, &ranks_agree,
-                                  word)) {
+        if (wait_for_word(sum_slot(p, p.buffers[p.rank], parity, finished, tensor, r), epoch, &call.ok, word)) {
           partials[tensor][r] = __uint_as_float(payload_of(word));
+        } else {
+          call.ok = 0;
         }
-      } else if (first_finish && header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread)) {
-        ranks_agree = 0;
+      } else if (first_finish && header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread, &call)) {
+        call.ok = 0;
       } else if (first_finish && !near_wrap && threadIdx.x == epoch_thread) {
         count_in_for_the_epoch(p, epoch);
       }
       first_finish = false;
       __syncthreads();
-      if (ranks_agree == 0) break;  // the same value in every thread: nothing is written
+      if (call.ok == 0) break;  // the same value in every thread: nothing is written
       float totals[kNumTensors] = {0.f, 0.f};
       for (int r = 0; r < p.world; ++r) {  // rank order: the same floats on every rank
         totals[kQ] += partials[kQ][r];
@@ -1028,18 +1169,19 @@ __global__ void __launch_bounds__(kLaggedMaxThreads, lagged_min_ctas_per_sm(kVec
 // 1. Phase 4's only global loads are the weights, and 2000 cycles is a memory round trip plus
 // the work. Here a lane issues its x loads and its raw weight loads in one batch in phase 1, so
 // both round trips overlap, and phase 4 reads only registers. A lane holds up to
-// kHeldPacksPerLane packs of x and of weights (ptxas: 128 registers in bf16, 102 in fp32, 142-145
-// in fp16, no spill; occupancy does not matter at these sizes, one CTA per SM); wider rows, and
-// unaligned ones, keep v9's kernel. The exchange (phase 2+3) is v4's, shared with v3-v9's decode kernel.
+// kHeldPacksPerLane packs of x and of weights (ptxas: 144 registers in bf16, 124 in fp32, 143 in
+// fp16, no spill; occupancy does not matter at these sizes, one CTA per SM, which its launch
+// bounds say: with ptxas's default budget it spilled); wider rows, and unaligned ones, keep v9's
+// kernel. The exchange (phase 2+3) is v4's, shared with v3-v9's decode kernel.
 // ------------------------------------------------------------------------------------------
 constexpr int kHeldPacksPerLane = 8;  // 8 x 16 bytes of x and 8 (16 or 32 bytes) of weights
 
 template <typename T, bool kHfRounding>
-__global__ void __launch_bounds__(kFusedThreads) fused_held_kernel(FusedParams p) {
+__global__ void __launch_bounds__(kFusedThreads, 1) fused_held_kernel(FusedParams p) {
   constexpr int kElems = Vec<T>::kElems;
   __shared__ float unit_sums[kMaxRowsPerCta];  // one per (row, slice)
   __shared__ float partials[kMaxRowsPerCta][kMaxRanks];
-  __shared__ int ranks_agree;
+  __shared__ CallState call;
 
   after_prior_grids();
   const uint32_t epoch = read_epoch(p);
@@ -1057,7 +1199,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_held_kernel(FusedParams p
   const int row = unit / slices, slice = unit % slices;
   const int first = slice * kWarpSize + lane, stride = slices * kWarpSize;
 
-  if (threadIdx.x == 0) ranks_agree = 1;
+  if (threadIdx.x == 0) open_call(p, call);
   publish_header(p, epoch, parity);
 
   // Phase 1: warp (row, slice) loads packs first, first + stride, ... of its row and their
@@ -1092,11 +1234,11 @@ __global__ void __launch_bounds__(kFusedThreads) fused_held_kernel(FusedParams p
   if (has_unit && lane == 0) unit_sums[unit] = sum_sq;
   __syncthreads();
 
-  exchange_row_sums<T, true>(p, epoch, first_token, tokens, slices, unit_sums, partials, &ranks_agree);
+  exchange_row_sums<T, true>(p, epoch, first_token, tokens, slices, unit_sums, partials, &call);
   __syncthreads();
 
   // Phase 4: normalize the held packs with the held weights and write them.
-  if (ranks_agree != 0 && has_unit) {
+  if (call.ok != 0 && has_unit) {
     float total = 0.f;
     for (int source = 0; source < p.world; ++source) total += partials[row][source];  // rank order
     const float rstd = rstd_from(total, t.full_width, p.shard.eps);
@@ -1112,6 +1254,175 @@ __global__ void __launch_bounds__(kFusedThreads) fused_held_kernel(FusedParams p
         store_x<T, true>(t.row.x + c * kElems, pack<T>(y));
       }
     }
+  }
+  if (near_wrap) end_launch(p, epoch, parity);
+}
+
+// ------------------------------------------------------------------------------------------
+// v11: one CTA per token; thread vectors held through the exchange, the next token's loaded before the wait - removes v10's shared tiles between decode and prefill
+// Between decode and prefill v10 runs v6's kernel: a CTA stages four to six tokens in a shared
+// tile, one warp per row, and waits once per tile; at 512 tokens of the MiniMax TP=2 shard that
+// is 128 CTAs on 132 SMs, one warp per row loading 12 packs, far from the local shard. Here a
+// CTA takes one token at a time and its block is sized to the row pair: thread i holds vectors
+// i, i + blockDim.x, ... (one each at the MiniMax TP=4 shard's 224 threads, two at TP=2's), so
+// every vector of every token in flight is one load of its own, and many short CTAs share an SM (v7's finding: a fast memory path needs many short CTAs with their rows
+// in registers). What v7's reverted CTA-per-token kernel lacked is loads in flight while a CTA
+// waits: here the CTA requests its next token (b + G) before it waits for this one's sums, so
+// the NVLink round trip overlaps that load, at the price of one more vector per thread.
+//   At decode sizes (a token per CTA) it is v10's held kernel without the slices: each thread
+// loads its vector and its weights once; and the first token's loads are issued before the
+// epoch is read (they do not depend on it), so that L2 round trip overlaps them instead of
+// preceding them (CTA 0's loads also waited for its header stores, which need the epoch).
+// Deadlock: CTA b's token t waits only for token t's partials, which each rank pushes after
+// finishing only tokens below t (v7's argument); the grid is at most the resident CTAs.
+// ------------------------------------------------------------------------------------------
+// Blocks of 64 to 256 threads, one, two or four vectors per thread: row pairs up to 1024 vectors
+// (8192 bf16 elements; the MiniMax TP=2 shard's 448 vectors are 224 threads of two); wider ones
+// keep v10's kernels. The register budget (ptxas, no spills; a thread holds its vectors, the next
+// token's and their weights) keeps CTAs per SM for tokens in flight: at most 64 registers at one
+// vector per thread (4 CTAs of the TP=4 shard's 224 threads), 128 at two, 255 at four.
+constexpr int kTokenRowsMaxThreads = 256;
+constexpr int kTokenRowsMinThreads = 64;
+constexpr int kTokenRowsMaxVecsPerThread = 4;
+constexpr int token_rows_min_ctas_per_sm(int vecs_per_thread) {
+  return vecs_per_thread <= 1 ? 4 : vecs_per_thread <= 2 ? 2 : 1;
+}
+static_assert(kNumTensors * kMaxRanks + kMaxRanks * kHeaderWords + 1 <= kTokenRowsMinThreads,
+              "v11: the waiting threads, header threads and the epoch thread fit the smallest block");
+static_assert(kTokenRowsMinThreads % kWarpSize == 0 && kTokenRowsMaxThreads % kWarpSize == 0, "whole warps");
+
+// One of a thread's vectors, the same columns at every token: where it lies in token 0's row (q's or
+// k's) and that row's token stride, so that token t's is at x0 + t * stride (two 64-bit values
+// per vector, where a RowPair would hold both rows' pointers, widths and weights).
+template <typename T>
+struct TokenColumn {
+  T* x0;
+  int64_t stride;  // elements per token; 0 for a thread with no vector here
+  bool is_q;
+};
+
+template <typename T, int kVecsPerThread>
+__device__ __forceinline__ void locate_columns(const FusedParams& p, TokenColumn<T> (&col)[kVecsPerThread],
+                                               RawWeights<T> (&w_raw)[kVecsPerThread]) {
+  const int q_vecs = p.shard.q_hidden / Vec<T>::kElems;
+  const int vecs = q_vecs + p.shard.k_hidden / Vec<T>::kElems;
+#pragma unroll
+  for (int j = 0; j < kVecsPerThread; ++j) {
+    const int c = threadIdx.x + j * blockDim.x;
+    const bool is_q = c < q_vecs;
+    const Row<T> row = locate_row<T>(p.shard, 0, is_q ? kQ : kK);
+    const int element = (is_q ? c : c - q_vecs) * Vec<T>::kElems;
+    col[j] = {row.x + element, c < vecs ? (is_q ? p.shard.q_token_stride : p.shard.k_token_stride) : 0, is_q};
+    if (c < vecs) w_raw[j] = load_raw_weights<T>(row, element);
+  }
+}
+
+// The thread's vectors of token `token` (vectors threadIdx.x, + blockDim.x, ... of its row pair).
+template <typename T, int kVecsPerThread>
+__device__ __forceinline__ void load_token(const TokenColumn<T> (&col)[kVecsPerThread], int64_t token,
+                                           Vec<T> (&x)[kVecsPerThread]) {
+#pragma unroll
+  for (int j = 0; j < kVecsPerThread; ++j) {
+    if (col[j].stride != 0) x[j] = load_x<T, true>(col[j].x0 + token * col[j].stride);
+  }
+}
+
+template <typename T, int kVecsPerThread, bool kHfRounding>
+__global__ void __launch_bounds__(kTokenRowsMaxThreads, token_rows_min_ctas_per_sm(kVecsPerThread))
+    token_rows_kernel(FusedParams p) {
+  constexpr int kElems = Vec<T>::kElems;
+  __shared__ float partials[kNumTensors][kMaxRanks];
+  __shared__ CallState call;
+
+  after_prior_grids();
+  // The first token's vectors and this thread's weights, requested before anything that needs the
+  // epoch. The launcher gives every CTA a token.
+  const int64_t tokens = p.shard.num_tokens;
+  TokenColumn<T> col[kVecsPerThread];
+  RawWeights<T> w_raw[kVecsPerThread];
+  locate_columns<T, kVecsPerThread>(p, col, w_raw);
+  Vec<T> x[kVecsPerThread];
+  load_token<T, kVecsPerThread>(col, blockIdx.x, x);
+
+  const uint32_t epoch = read_epoch(p);
+  if (chunk_abandoned(p, epoch)) return;
+  const bool near_wrap = epoch >= kLastEpoch - 1;
+  const int parity = static_cast<int>(epoch % kParities);
+  const int waiting_threads = kNumTensors * p.world;  // thread (tensor, rank r) pushes to r, waits for r
+  const int header_thread = threadIdx.x - (blockDim.x - p.world * kHeaderWords);
+  const int epoch_thread = blockDim.x - 1 - p.world * kHeaderWords;
+  if (threadIdx.x == 0) open_call(p, call);
+  __syncthreads();
+  publish_header(p, epoch, parity);
+
+  bool first = true;
+  for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
+    // The next token's vectors, requested now: they arrive while this token's sums cross the GPUs.
+    Vec<T> x_next[kVecsPerThread];
+    if (token + gridDim.x < tokens) load_token<T, kVecsPerThread>(col, token + gridDim.x, x_next);
+
+    float sums[kNumTensors] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kVecsPerThread; ++j) {
+      if (col[j].stride != 0) {
+        float xf[kElems];
+        unpack<T>(x[j], xf);
+        float sum_sq = 0.f;
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) sum_sq += xf[e] * xf[e];
+        if (col[j].is_q) {  // a select, not an index: the sums stay in registers
+          sums[kQ] += sum_sq;
+        } else {
+          sums[kK] += sum_sq;
+        }
+      }
+    }
+    // Its barriers also order the previous token's reads of `partials` before this token's waits
+    // rewrite them.
+    block_sum<kNumTensors>(sums);
+
+    // Push, wait; at the first token the header check and the epoch count run beside the wait.
+    if (threadIdx.x < waiting_threads) {
+      const int tensor = threadIdx.x / p.world, r = threadIdx.x % p.world;
+      store_word(sum_slot(p, p.buffers[r], parity, token, tensor, p.rank),
+                 tagged(epoch, __float_as_uint(tensor == kQ ? sums[kQ] : sums[kK])));
+      uint64_t word;
+      if (wait_for_word(sum_slot(p, p.buffers[p.rank], parity, token, tensor, r), epoch, &call.ok, word)) {
+        partials[tensor][r] = __uint_as_float(payload_of(word));
+      } else {
+        call.ok = 0;
+      }
+    } else if (first && header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread, &call)) {
+      call.ok = 0;
+    } else if (first && !near_wrap && threadIdx.x == epoch_thread) {
+      count_in_for_the_epoch(p, epoch);
+    }
+    first = false;
+    __syncthreads();
+    if (call.ok == 0) break;  // the same value in every thread: nothing more is written
+
+    float totals[kNumTensors] = {0.f, 0.f};
+    for (int r = 0; r < p.world; ++r) {  // rank order: the same floats on every rank
+      totals[kQ] += partials[kQ][r];
+      totals[kK] += partials[kK][r];
+    }
+    const float q_rstd = rstd_from(totals[kQ], p.q_full_width, p.shard.eps);
+    const float k_rstd = rstd_from(totals[kK], p.k_full_width, p.shard.eps);
+#pragma unroll
+    for (int j = 0; j < kVecsPerThread; ++j) {
+      if (col[j].stride != 0) {
+        float xf[kElems], w[kElems], y[kElems];
+        unpack<T>(x[j], xf);
+        effective_weights<T, kHfRounding>(w_raw[j], col[j].is_q ? p.shard.q_weight_is_fp32 : p.shard.k_weight_is_fp32,
+                                          p.shard.weight_offset, w);
+        const float rstd = col[j].is_q ? q_rstd : k_rstd;
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) y[e] = normalized<T, kHfRounding>(xf[e], rstd, w[e]);
+        store_x<T, true>(col[j].x0 + token * col[j].stride, pack<T>(y));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kVecsPerThread; ++j) x[j] = x_next[j];
   }
   if (near_wrap) end_launch(p, epoch, parity);
 }
@@ -1170,8 +1481,9 @@ inline bool held_rows_fit(const FusedParams& p) {
          kNumTensors * p.tokens_per_cta * p.slices_per_row <= kFusedWarps;
 }
 
+// `allow_held` = false (v12's table) keeps v10's held-row kernel out: v6's kernels run instead.
 template <int kVersion, typename T, int kElems, bool kHfRounding>
-inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
+inline void launch_fused_packs(FusedParams p, cudaStream_t stream, bool allow_held = true) {
   const int row_pair_bytes = (p.shard.q_hidden + p.shard.k_hidden) * static_cast<int>(sizeof(T));
   const bool staged = row_pair_bytes <= kTileBytes;
   p.tokens_per_cta = staged ? tokens_per_cta(p.shard.num_tokens, row_pair_bytes) : 1;
@@ -1179,7 +1491,7 @@ inline void launch_fused_packs(FusedParams p, cudaStream_t stream) {
   const int64_t ctas = (p.shard.num_tokens + p.tokens_per_cta - 1) / p.tokens_per_cta;
   const unsigned grid = ctas > 0 ? static_cast<unsigned>(ctas) : 1u;  // no tokens: still publish the header
   if constexpr (kVersion >= 10 && kElems == Vec<T>::kElems) {
-    if (staged && p.slices_per_row > 1 && held_rows_fit<T>(p)) {
+    if (allow_held && staged && p.slices_per_row > 1 && held_rows_fit<T>(p)) {
       return launch_kernel(true, fused_held_kernel<T, kHfRounding>, dim3(grid), dim3(kFusedThreads), 0, stream, p);
     }
   }
@@ -1228,6 +1540,89 @@ constexpr WeightSource lagged_weights(int version) {
   return version >= 9 ? WeightSource::kShared : version == 8 ? WeightSource::kRegisters : WeightSource::kReloaded;
 }
 
+// v11's kernel at kVecsPerThread vectors per thread, on a persistent grid: a CTA per token up to
+// the resident CTAs, then each CTA walks tokens b, b + G, ...
+template <typename T, int kVecsPerThread, bool kHfRounding>
+inline void launch_token_rows_fixed(FusedParams p, int vecs, cudaStream_t stream) {
+  constexpr auto kernel = token_rows_kernel<T, kVecsPerThread, kHfRounding>;
+  const int whole_warps = cross_head_norm::v3_threads(vecs, kVecsPerThread);
+  const int threads = whole_warps < kTokenRowsMinThreads ? kTokenRowsMinThreads : whole_warps;
+  const int64_t resident = persistent_grid_limit<kernel>(threads);
+  const int64_t grid = p.shard.num_tokens < resident ? p.shard.num_tokens : resident;
+  p.tokens_per_cta = 1;
+  p.slices_per_row = 1;
+  launch_kernel(true, kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), 0, stream, p);
+}
+
+// v11's path for a chunk of 16-byte aligned rows: the fewest vectors per thread that fit the row
+// pair in kTokenRowsMaxThreads threads; false where the row pair is too wide, or the chunk has no
+// token (v2's kernel then publishes the empty call's header).
+template <typename T, bool kHfRounding>
+inline bool launch_token_rows(const FusedParams& p, cudaStream_t stream) {
+  if (p.shard.num_tokens == 0) return false;
+  const int vecs = (p.shard.q_hidden + p.shard.k_hidden) / Vec<T>::kElems;
+  static_assert(kTokenRowsMaxVecsPerThread == 4, "the cases below");
+  if (vecs <= kTokenRowsMaxThreads) {
+    launch_token_rows_fixed<T, 1, kHfRounding>(p, vecs, stream);
+  } else if (vecs <= 2 * kTokenRowsMaxThreads) {
+    launch_token_rows_fixed<T, 2, kHfRounding>(p, vecs, stream);
+  } else if (vecs <= 4 * kTokenRowsMaxThreads) {
+    launch_token_rows_fixed<T, 4, kHfRounding>(p, vecs, stream);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// ------------------------------------------------------------------------------------------
+// v12: v10's and v11's kernels chosen per chunk from a table keyed by world size - removes v10's dispatch, tuned at TP=2 alone
+// Which kernel is fastest for a number of tokens depends on the shard's width and on how many
+// ranks wait for each other, both set by the world size: narrower shards put more tokens in a
+// tile and make each token's loads shorter against the same exchange latency. So the table has
+// a row per world size, in tokens per SM (the held kernel's tiling and the resident CTAs scale
+// with the SMs), read at every chunk: tokens per SM = ceil(chunk tokens / SMs).
+//   up to held_rows: v10's held-row kernel (v6's decode kernel where the rows do not fit it);
+//   up to token_rows: v11's token rows;
+//   above: v9's lagged walk where lagged_prefill is set and the chunk has a token per resident
+//          CTA, else v6's kernels (tiles).
+// Where the rows are not 16-byte aligned every version runs v6's one-element kernels.
+// ------------------------------------------------------------------------------------------
+struct Dispatch {
+  int held_rows;        // tokens per SM up to which v10's held-row kernel runs (its tiling allows 2)
+  int token_rows;       // and above that, up to which v11's token-row kernel runs
+  bool lagged_prefill;  // above both: v9's lagged walk (true) or v6's tiles
+};
+
+// The rows, from measurements (docs/tp_qk_norm.md, "v12", says which): TP=2 is v10's dispatch as
+// its page of record measured it. TP=4 and TP=8 run the tiles at prefill: the only prefill kernel
+// their pages measured, and the one that beat v10's lagged walk in a quick TP=4 sweep. v11's token
+// rows have no range yet (0): they wait for their first sweep (`python -m cookbook.bench.tp
+// --propose-dispatch` reads it). World sizes without a measurement take the row of the next
+// measured size up: their shards are at least as wide.
+constexpr Dispatch kDispatchByWorld[kMaxRanks + 1] = {
+    {2, 0, true},   // 0: unused
+    {2, 0, true},   // 1: a group of one (the checks run it), as 2
+    {2, 0, true},   // 2: measured
+    {2, 0, false},  // 3: as 4
+    {2, 0, false},  // 4: measured (prefill)
+    {2, 0, false},  // 5: as 8
+    {2, 0, false},  // 6: as 8
+    {2, 0, false},  // 7: as 8
+    {2, 0, false},  // 8: measured (prefill)
+};
+
+template <typename T, bool kHfRounding>
+inline void launch_by_table(const FusedParams& chunk, bool packed, cudaStream_t stream) {
+  constexpr int kElems = Vec<T>::kElems;
+  if (!packed) return launch_fused_packs<12, T, 1, kHfRounding>(chunk, stream);
+  const Dispatch d = kDispatchByWorld[chunk.world];
+  const int64_t tokens_per_sm = (chunk.shard.num_tokens + sm_count() - 1) / sm_count();
+  if (tokens_per_sm <= d.held_rows) return launch_fused_packs<12, T, kElems, kHfRounding>(chunk, stream);
+  if (tokens_per_sm <= d.token_rows && launch_token_rows<T, kHfRounding>(chunk, stream)) return;
+  if (d.lagged_prefill && launch_lagged_rows<T, kHfRounding, WeightSource::kShared>(chunk, stream)) return;
+  launch_fused_packs<12, T, kElems, kHfRounding>(chunk, stream, /*allow_held=*/false);
+}
+
 // One launch per chunk of at most `capacity` tokens (each chunk is one epoch of the protocol).
 template <int kVersion, typename T, bool kHfRounding>
 inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
@@ -1241,7 +1636,11 @@ inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
     chunk.shard.q = static_cast<T*>(call.shard.q) + first * call.shard.q_token_stride;
     chunk.shard.k = static_cast<T*>(call.shard.k) + first * call.shard.k_token_stride;
     chunk.chunk_index = chunk_index++;
-    if (kVersion >= 7 && packed && launch_lagged_rows<T, kHfRounding, lagged_weights(kVersion)>(chunk, stream)) {
+    if (kVersion >= 12) {
+      launch_by_table<T, kHfRounding>(chunk, packed, stream);
+    } else if (kVersion == 11 && packed && launch_token_rows<T, kHfRounding>(chunk, stream)) {
+      // v11's kernel took the chunk (v10's kernels where the row pair is too wide)
+    } else if (kVersion >= 7 && packed && launch_lagged_rows<T, kHfRounding, lagged_weights(kVersion)>(chunk, stream)) {
       // v7's (v8's, v9's) kernel took the chunk
     } else if (packed) {
       launch_fused_packs<kVersion, T, Vec<T>::kElems, kHfRounding>(chunk, stream);
@@ -1279,7 +1678,21 @@ inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cu
   });
 }
 
-constexpr int kNumVersions = 10;
+constexpr int kNumVersions = 12;
+
+// A rank that does not take part in a call (it rejected its arguments) still launches once, so
+// that the ranks stay in step: v2's kernel with no tokens and an absent header publishes it to
+// every rank, waits (bounded) for the peers' headers, records nothing and advances the epoch.
+// The peers find the absent header, write nothing and report it.
+inline cudaError_t absent(FusedParams p, cudaStream_t stream) {
+  absent_header(p);
+  p.shard.num_tokens = 0;
+  p.chunk_index = 0;
+  p.tokens_per_cta = 1;
+  p.slices_per_row = 1;
+  fused_kernel<float, 1, false, false><<<1, kFusedThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 // The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
 inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
@@ -1302,8 +1715,12 @@ inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, in
       hf_rounding ? launch_fused<8, T, true>(p, stream) : launch_fused<8, T, false>(p, stream);
     } else if (version == 9) {
       hf_rounding ? launch_fused<9, T, true>(p, stream) : launch_fused<9, T, false>(p, stream);
-    } else {
+    } else if (version == 10) {
       hf_rounding ? launch_fused<10, T, true>(p, stream) : launch_fused<10, T, false>(p, stream);
+    } else if (version == 11) {
+      hf_rounding ? launch_fused<11, T, true>(p, stream) : launch_fused<11, T, false>(p, stream);
+    } else {
+      hf_rounding ? launch_fused<12, T, true>(p, stream) : launch_fused<12, T, false>(p, stream);
     }
   });
 }

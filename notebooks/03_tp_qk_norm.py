@@ -449,7 +449,9 @@ def launch(ranks, me, chunk, chunk_index, call_tokens, widths, out, abandon=True
     if abandon and chunk_index > 0 and r.failed_epoch == epoch:
         return  # a later chunk of a call whose first chunk found a mismatch: nothing to do
     parity = epoch % r.parities
-    mine = (call_tokens, *widths)
+    # the real header's words (tokens, widths, eps, weight_offset, the math word), for this call
+    mine = tp_workspace.header(call_tokens, *widths, 1e-6, 0.0, torch.bfloat16, "fused", torch.bfloat16,
+                               torch.bfloat16, version=12)
     for dest in ranks:  # the header goes to every rank, itself included
         for word, value in enumerate(mine):
             dest.buffer[dest.header(parity, me, word)] = tagged(epoch, value)
@@ -469,7 +471,7 @@ def launch(ranks, me, chunk, chunk_index, call_tokens, widths, out, abandon=True
                 agree = False
                 if chunk_index == 0:
                     r.failed_epoch = next_epoch(epoch)  # the epoch the later chunks will see
-                r.status.append(f"{('tokens', 'q width', 'k width')[word]}: rank {source} has {w & MASK32}, "
+                r.status.append(f"{tp_workspace.HEADER_FIELDS[word]}: rank {source} has {w & MASK32}, "
                                 f"this rank {mine[word]}")
     if agree:  # a mismatch leaves the shards untouched
         for t in range(len(chunk)):

@@ -1,7 +1,8 @@
 """GPU tests of `tp_qk_norm`: the checks of `tests/tp_gpu_checks.py`, one process per GPU under torchrun.
 
 Skipped unless at least two CUDA GPUs are visible (the CPU suite, tests/test_tp_qk_norm.py, runs the
-reference and the Numba pipeline under gloo). NVLink multicast stays off in the children.
+reference and the Numba pipeline under gloo). The checks run on two ranks and, where more GPUs are
+visible, on all of them (`--quick` there). NVLink multicast stays off in the children.
 """
 
 from __future__ import annotations
@@ -24,14 +25,21 @@ TIMEOUT_S = 900
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < NPROC, reason=f"needs {NPROC} CUDA GPUs")
 
 
-def torchrun(*args, prefix=()):
-    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}", *args]
+def torchrun(*args, prefix=(), nproc=NPROC):
+    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     env = {**os.environ, **MULTICAST_OFF, "PYTHONPATH": str(ROOT)}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 def test_all_checks_pass_on_two_gpus():
     run = torchrun("tests/tp_gpu_checks.py")
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() <= NPROC, reason=f"needs more than {NPROC} CUDA GPUs")
+def test_checks_pass_on_every_visible_gpu():
+    """The shapes follow the world size: the same checks at 4 or 8 ranks (fewer agreement cases)."""
+    run = torchrun("tests/tp_gpu_checks.py", "--quick", nproc=torch.cuda.device_count())
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
 
 

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import re
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -648,3 +652,300 @@ def test_eight_ranks():
         assert_all_ok([r for result in eight.run(_target(_rank_compiled_matches)) for r in result])
     finally:
         eight.close()
+
+
+# ==========================================================================================
+# Collective safety: ranks that disagree on the math, a rank that rejects its call, a rank that
+# never makes it, and the fused kernel's header and reports (read on a CPU).
+# ==========================================================================================
+# (field, the argument named in the error, what it says must be the same, odd ranks' change)
+DISAGREEMENTS = [
+    ("eps", "eps", "eps", dict(eps=1e-5)),
+    ("weight_offset", "weight_offset", "weight_offset", dict(weight_offset=1.0)),
+    ("rounding", "rounding", "rounding", dict(rounding="hf")),
+    ("dtype", "q_shard", "dtype", dict(dtype=torch.float16)),
+    ("weight_dtype", "k_weight_shard", "dtype (float32 or the activation dtype)", dict(k_weight_fp32=True)),
+    ("backend", "backend", "implementation", dict(backend="numba")),
+]
+
+
+def _call_options(rank, change):
+    """Keyword arguments of this rank's call: the defaults, with `change` on odd ranks."""
+    options = dict(eps=1e-6, weight_offset=0.0, rounding="fused", dtype=torch.bfloat16, k_weight_fp32=False,
+                   backend="reference")
+    return {**options, **change} if rank % 2 else options
+
+
+def _follow_up(rank, world):
+    """A matching call after a failed one: [(ok, message)] (the group is still in step)."""
+    full = tp.make_full_inputs(1, 4 * world, 2 * world, torch.float32, seed=9)
+    shards = tp.shard_of(full, rank, world)
+    cookbook.tp_qk_norm(**shards, backend="reference")
+    want = tp.expected(full, rank, world, 1e-6, 0.0, "fused")
+    return [(bool(ok), m) for ok, m in reports("follow-up call", {o: shards[o] for o in OUTPUTS}, want, "fused")]
+
+
+def _rank_disagrees(rank, world, change):
+    """This rank's call with `change` on odd ranks: the error each rank raised, whether its shards
+    were left untouched, and a follow-up call's reports."""
+    o = _call_options(rank, change)
+    full = tp.make_full_inputs(2, 4 * world, 2 * world, o["dtype"], seed=3,
+                               weight_dtype=torch.float32 if o["k_weight_fp32"] else None)
+    shards = tp.shard_of(full, rank, world)
+    if o["k_weight_fp32"]:  # only k's weight in float32: q's stays in the activation dtype
+        shards["q_weight_shard"] = shards["q_weight_shard"].to(o["dtype"])
+    before = {out: shards[out].clone() for out in OUTPUTS}
+    error = None
+    try:
+        cookbook.tp_qk_norm(**shards, eps=o["eps"], weight_offset=o["weight_offset"], rounding=o["rounding"],
+                            backend=o["backend"])
+    except Exception as e:  # judged by the test
+        error = (type(e).__name__, str(e))
+    untouched = all(torch.equal(shards[out], before[out]) for out in OUTPUTS)
+    return dict(error=error, untouched=untouched, follow_up=_follow_up(rank, world))
+
+
+@needs_gloo
+@pytest.mark.parametrize("field,name,what,change", DISAGREEMENTS, ids=[d[0] for d in DISAGREEMENTS])
+def test_ranks_that_disagree_on_the_math_raise_on_every_rank(pool, field, name, what, change):
+    """Odd ranks call with another eps, weight_offset, rounding, dtype, weight storage or backend:
+    every rank raises a ValueError naming the argument before anything is written (one small
+    all-reduce compares them all), and the group stays in step."""
+    for rank, result in enumerate(pool.run(_target(_rank_disagrees), change=change)):
+        assert result["error"] is not None, f"rank {rank}: no error"
+        kind, message = result["error"]
+        assert kind == "ValueError", f"rank {rank}: {kind}: {message}"
+        assert message.startswith(f"{name}: expected the same {what} on every rank of the group (tp={pool.world})"), \
+            message
+        assert result["untouched"], f"rank {rank}: the shards were modified"
+        assert_all_ok(result["follow_up"])
+
+
+def _rank_rejects_its_call(rank, world):
+    """Odd ranks pass a k_weight_shard of the wrong length: they raise their own error, and the
+    others must hear of it at once (not after the wait limit, set long here)."""
+    from cookbook import tp_workspace
+
+    tp_workspace.set_wait_limit(dist.group.WORLD, 60.0)
+    shards = tp.make_inputs(2, 4 * world, 2 * world, torch.bfloat16, seed=rank, rank=rank, tp=world)
+    if rank % 2:
+        shards["k_weight_shard"] = shards["k_weight_shard"][:1]
+    before = {out: shards[out].clone() for out in OUTPUTS}
+    start, error = time.monotonic(), None
+    try:
+        cookbook.tp_qk_norm(**shards, backend="reference")
+    except Exception as e:  # judged by the test
+        error = (type(e).__name__, str(e))
+    seconds = time.monotonic() - start
+    tp_workspace.set_wait_limit(dist.group.WORLD, tp_workspace.DEFAULT_WAIT_LIMIT_S)
+    untouched = all(torch.equal(shards[out], before[out]) for out in OUTPUTS)
+    return dict(error=error, seconds=seconds, untouched=untouched, follow_up=_follow_up(rank, world))
+
+
+@needs_gloo
+def test_a_rank_that_rejects_its_call_tells_the_others(pool):
+    """A rank whose own arguments are bad raises its error, and still takes part in the call to
+    say so: the other ranks raise at once (no wait), nothing is written anywhere, and the group
+    stays in step for the next call."""
+    for rank, result in enumerate(pool.run(_target(_rank_rejects_its_call))):
+        assert result["error"] is not None, f"rank {rank}: no error"
+        kind, message = result["error"]
+        if rank % 2:
+            assert kind == "ValueError" and message.startswith("k_weight_shard: expected"), message
+        else:
+            assert kind == "RuntimeError", f"rank {rank}: {kind}: {message}"
+            assert message.startswith("tp_qk_norm: rank ") and "rejected its arguments" in message, message
+        assert result["seconds"] < 10, f"rank {rank} took {result['seconds']:.1f} s: it waited instead of hearing"
+        assert result["untouched"]
+        assert_all_ok(result["follow_up"])
+
+
+WAIT_LIMIT_S = 1.0
+
+
+def _rank_0_stays_away(rank, world):
+    """On a group of its own, every rank but 0 calls with a short wait limit; rank 0 never does.
+    Returns (the first call's error and seconds, the next call's error and seconds)."""
+    from cookbook import tp_workspace
+
+    group = dist.new_group(list(range(world)))
+    tp_workspace.set_wait_limit(group, WAIT_LIMIT_S)
+    outcomes = []
+    if rank != 0:
+        for _ in range(2):
+            shards = tp.make_inputs(2, 4 * world, 2 * world, torch.float32, seed=1, rank=rank, tp=world)
+            start = time.monotonic()
+            try:
+                cookbook.tp_qk_norm(**shards, group=group, backend="reference")
+                outcomes.append((None, time.monotonic() - start))
+            except Exception as e:  # judged by the test
+                outcomes.append(((type(e).__name__, str(e)), time.monotonic() - start))
+    dist.barrier()  # (on the default group) every other rank has given up ...
+    if rank == 0:  # ... so rank 0 completes their pending exchange: nothing is left in flight
+        dist.all_reduce(torch.zeros(2 * len(tp.AGREED), dtype=torch.int64), op=dist.ReduceOp.MAX, group=group)
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+    return outcomes
+
+
+@needs_gloo
+def test_a_rank_that_never_calls_makes_the_others_fail_in_bounded_time(pool):
+    """A rank that never makes the call (it left the op early without telling, or crashed): the
+    others raise a RuntimeError naming tp_qk_norm after the group's wait limit, not the process
+    group's timeout; and their next call raises at once (the group is out of step), never a hang
+    or a result computed with another call's values."""
+    for rank, outcomes in enumerate(pool.run(_target(_rank_0_stays_away))):
+        if rank == 0:
+            continue
+        (first, first_s), (second, second_s) = outcomes
+        assert first is not None and first[0] == "WaitLimitExceeded", first
+        assert first[1].startswith(f"tp_qk_norm: rank {rank} waited more than {WAIT_LIMIT_S:g} s"), first[1]
+        assert WAIT_LIMIT_S <= first_s < WAIT_LIMIT_S + 5, f"rank {rank} gave up after {first_s:.1f} s"
+        assert second is not None and second == ("RuntimeError", first[1]), second
+        assert second_s < 0.5, f"the next call took {second_s:.1f} s instead of raising at once"
+
+
+def _header_constants():
+    """{name: value} of the kernel header's integer constants of the protocol."""
+    text = (Path(__file__).resolve().parents[1] / "kernels_cuda" / "tp_qk_norm.cuh").read_text()
+    return {m.group(1): int(m.group(2), 0) for m in
+            re.finditer(r"constexpr (?:int|uint32_t) (k\w+) = (0x[0-9a-f]+|\d+)u?;", text)}
+
+
+def test_protocol_constants_match_the_kernel():
+    """cookbook/tp_workspace.py decodes what the kernel writes: the header words, the math word's
+    bits, the counters and the status words must be numbered alike on both sides."""
+    from cookbook import tp_workspace as w
+
+    k = _header_constants()
+    assert (k["kHeaderTokens"], k["kHeaderWidths"], k["kHeaderEps"], k["kHeaderOffset"], k["kHeaderMath"],
+            k["kHeaderWords"]) == (w.TOKENS, w.WIDTHS, w.EPS, w.WEIGHT_OFFSET, w.MATH, w.HEADER_WORDS)
+    assert (k["kWidthShift"], k["kMathDTypeShift"], k["kMathHfBit"], k["kMathQWeightFp32Bit"],
+            k["kMathKWeightFp32Bit"], k["kMathVersionShift"], k["kMathCallShift"], k["kAbsent"]) == \
+        (w.WIDTH_SHIFT, w.MATH_DTYPE_SHIFT, w.MATH_HF_BIT, w.MATH_Q_WEIGHT_FP32_BIT, w.MATH_K_WEIGHT_FP32_BIT,
+         w.MATH_VERSION_SHIFT, w.MATH_CALL_SHIFT, w.ABSENT)
+    assert [k[f"k{n}Counter"] for n in ("Epoch", "Done", "Failed", "GaveUp", "WaitLimit")] == \
+        [w.EPOCH_COUNTER, w.DONE_COUNTER, w.FAILED_COUNTER, w.GAVE_UP_COUNTER, w.WAIT_LIMIT_COUNTER]
+    assert [k[f"kReport{n}"] for n in ("What", "Theirs", "Ours", "Epoch")] == \
+        [w.REPORT_WHAT, w.REPORT_THEIRS, w.REPORT_OURS, w.REPORT_EPOCH] and k["kNumCounters"] == w.COUNTER_WORDS
+    assert (k["kStatusReport"], k["kStatusCallNumber"], k["kNumStatusWords"]) == \
+        (w.STATUS_REPORT, w.STATUS_CALL_NUMBER, w.STATUS_WORDS)
+    assert (k["kMismatch"], k["kGaveUp"], k["kReportPeerShift"], k["kReportWordShift"], 1 << k["kTickShift"]) == \
+        (w.MISMATCH, w.GAVE_UP, w.REPORT_PEER_SHIFT, w.REPORT_WORD_SHIFT, w.TICK_NS)
+
+
+class _FakeGroup:
+    group_name = "fake-group-for-reports"
+
+
+def _reported(kind, word, ours, theirs, peer=1):
+    """Raise what a CPU stand-in of the fused workspace reports: (exception type, message, the
+    group's end or None)."""
+    from cookbook import tp_workspace as w
+
+    ws = w.Workspace(None, None, [], torch.zeros(w.COUNTER_WORDS, dtype=torch.int32),
+                     torch.zeros(w.STATUS_WORDS, dtype=torch.int64), rank=0, world=2, capacity=8)
+    what = kind | peer << w.REPORT_PEER_SHIFT | word << w.REPORT_WORD_SHIFT
+    ws.counters[w.REPORT_WHAT:w.REPORT_EPOCH + 1] = torch.tensor([what, theirs, ours, 17], dtype=torch.int64).to(
+        torch.int32)
+    ws.status[w.STATUS_REPORT] = 1
+    group = _FakeGroup()
+    w._workspaces[group.group_name] = ws
+    try:
+        with pytest.raises((ValueError, RuntimeError)) as info:
+            w.raise_pending_errors(group)
+        assert not ws.status[w.STATUS_REPORT] and not ws.counters[w.REPORT_WHAT:].any(), "the report was not consumed"
+        return info.type, str(info.value), w.failure(group)
+    finally:
+        del w._workspaces[group.group_name]
+        w._states.pop(group.group_name, None)
+
+
+@pytest.mark.parametrize("word,ours,theirs,argument,fragment", [
+    ("tokens", dict(tokens=5), dict(tokens=6), "q_shard", "the same tokens on every rank of the group (tp=2); an "
+                                                          "earlier fused tp_qk_norm call had 5 on rank 0 and 6 on rank 1"),
+    ("shard widths", dict(k_width=64), dict(k_width=66), "k_shard", "the same shard width"),
+    ("shard widths", dict(q_width=128), dict(q_width=130), "q_shard", "the same shard width"),
+    ("eps", dict(eps=1e-6), dict(eps=1e-5), "eps", "had 1e-06 on rank 0 and 1e-05 on rank 1"),
+    ("weight_offset", dict(weight_offset=0.0), dict(weight_offset=1.0), "weight_offset", "had 0 on rank 0 and 1 on"),
+    ("math", dict(rounding="fused"), dict(rounding="hf"), "rounding", "the same rounding"),
+    ("math", dict(dtype=torch.bfloat16), dict(dtype=torch.float16), "q_shard", "the same dtype"),
+    ("math", dict(k_weight_dtype=torch.float32), dict(), "k_weight_shard",
+     "the same dtype (float32 or the activation dtype) on every rank"),
+    ("math", dict(version=12), dict(version=11), "backend", "the same implementation on every rank of the group "
+                                                            "(tp=2); an earlier fused tp_qk_norm call had cuda_v12"),
+    ("math", dict(call_number=7), dict(call_number=6), "tp_qk_norm", "the same sequence of calls"),
+])
+def test_fused_reports_name_the_argument(word, ours, theirs, argument, fragment):
+    """A header word the kernel found different on another rank becomes a ValueError naming the
+    argument and both ranks' values, raised once (the report is consumed); not the group's end."""
+    from cookbook import tp_workspace as w
+
+    call = dict(tokens=4, q_width=128, k_width=64, eps=1e-6, weight_offset=0.0, dtype=torch.bfloat16,
+                rounding="fused", q_weight_dtype=torch.bfloat16, k_weight_dtype=torch.bfloat16, version=12)
+    i = w.HEADER_FIELDS.index(word)
+    error, message, ended = _reported(w.MISMATCH, i, w.header(**{**call, **ours})[i], w.header(**{**call, **theirs})[i])
+    assert error is ValueError and message.startswith(f"{argument}: expected") and fragment in message, message
+    assert ended is None
+
+
+def test_fused_reports_of_absent_peers_and_of_giving_up():
+    """A peer's absent header (it rejected its call) is a RuntimeError naming the rank; this rank
+    giving up on a peer's header is a RuntimeError that also ends the group (every later call)."""
+    from cookbook import tp_workspace as w
+
+    error, message, ended = _reported(w.MISMATCH, w.TOKENS, 4, w.ABSENT, peer=1)
+    assert error is RuntimeError and message.startswith("tp_qk_norm: rank 1 did not take part"), message
+    assert ended is None
+    error, message, ended = _reported(w.GAVE_UP, w.MATH, 0, 0, peer=3)
+    assert error is RuntimeError and message.startswith("tp_qk_norm: rank 0 gave up waiting for rank 3's header of "
+                                                        "fused launch 17"), message
+    assert ended == message
+
+
+# ==========================================================================================
+# The benchmark's reading of its own sweeps (no GPU): v12's table rows, the published comparison
+# ==========================================================================================
+def _sweep_rows(times, widths=(6144, 1024)):
+    """Result rows of a sweep: {(impl, tokens): us}."""
+    return [dict(impl=impl, shape=[tokens, *widths], label=f"T={tokens}", median_us=us, p20_us=us, p80_us=us,
+                 slowest_us=us, method="graph", error="") for (impl, tokens), us in times.items()]
+
+
+def test_propose_dispatch_reads_the_fastest_family_per_token_count(tmp_path):
+    """Held rows win at decode, token rows at 4 and 16 tokens per SM, v9's walk loses to v6's tiles at
+    the largest count: the row is {2, 16, false}; token rows losing everywhere give 0."""
+    from cookbook.bench import tp as bench_tp
+
+    times = {("cuda_v10", 1): 3.0, ("cuda_v11", 1): 3.2, ("cuda_v10", 128): 4.0, ("cuda_v11", 128): 4.1,
+             ("cuda_v6", 512): 9.0, ("cuda_v11", 512): 7.0, ("cuda_v10", 512): 9.0,
+             ("cuda_v6", 2048): 12.0, ("cuda_v9", 2048): 11.0, ("cuda_v11", 2048): 9.0,
+             ("cuda_v6", 16384): 40.0, ("cuda_v9", 16384): 44.0, ("cuda_v11", 16384): 50.0}
+    meta = dict(sm_count=132, world=4, gpu="NVIDIA H200", commit="abc1234", timing_mode="graph")
+    page = tmp_path / "tp_qk_norm_h200x4.json"
+    page.write_text(json.dumps({"metadata": meta, "rows": _sweep_rows(times)}))
+    report = bench_tp.propose_dispatch([page])
+    assert report.splitlines()[-1] == "  kDispatchByWorld[4] = {2, 16, false}", report
+    slower = {k: (v * 2 if k[0] == "cuda_v11" else v) for k, v in times.items()}
+    page.write_text(json.dumps({"metadata": meta, "rows": _sweep_rows(slower)}))
+    assert bench_tp.propose_dispatch([page]).splitlines()[-1] == "  kDispatchByWorld[4] = {2, 0, false}"
+
+
+def test_pages_set_the_latest_version_beside_the_published_figures():
+    """At the published token counts the page gives the latest CUDA C version (and its ratio to the
+    published figure), the fastest version and the local shard, and says whether the timing is the
+    same method; the back-to-back table names rank 0's and the slowest rank's means."""
+    from cookbook.bench import tp as bench_tp
+
+    latest = registry.latest(OP, "cuda").name
+    times = {(latest, 1): 2.86, ("cuda_v10", 1): 2.5, (bench_tp.LOCAL_SHARD, 1): 1.5, (latest, 2048): 8.4}
+    rows = _sweep_rows(times)
+    text = bench_tp.published_comparison(rows, dict(world=4, gpu="NVIDIA H200", timing_mode=bench_tp.BACK_TO_BACK))
+    assert "the same GPUs and TP; this page's timing: the same method" in text, text
+    assert f"| 1      | 2.6          | 2.86 (1.10x)" in text and "cuda_v10 2.50" in text and "1.50" in text, text
+    assert "| 2048" in text and "| 128 " not in text, text
+    other = bench_tp.published_comparison(rows, dict(world=2, gpu="NVIDIA H100", timing_mode=bench_tp.GRAPH))
+    assert "not like for like: 2 x NVIDIA H100 here" in other and "graph replays after a barrier" in other
+    assert bench_tp.published_comparison(_sweep_rows({(latest, 3): 1.0}), dict(world=4, gpu="x", timing_mode="graph")) == ""
+    table = bench_tp.table(rows, bench_tp.BACK_TO_BACK)
+    assert "rank 0's mean us" in table and "slowest rank's mean us" in table

@@ -62,6 +62,12 @@ NAMED_KERNELS = {
         9: (f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}2>",),
         # v10: its decode kernel (prefill is v9's walk)
         10: ("fused_held_kernel<__nv_bfloat16, false>", f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}2>"),
+        # v11: its token-row kernel at one and two vectors per thread (the MiniMax shard at TP=4 and TP=2)
+        11: ("token_rows_kernel<__nv_bfloat16, 1, false>", "token_rows_kernel<__nv_bfloat16, 2, false>"),
+        # v12: the kernels its table picks from (v10's held rows, v11's token rows, v9's walk, v6's tiles)
+        12: ("fused_held_kernel<__nv_bfloat16, false>", "token_rows_kernel<__nv_bfloat16, 1, false>",
+             f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}2>",
+             "fused_kernel<__nv_bfloat16, 8, true, false, true, true>"),
     },
 }
 

@@ -17,10 +17,24 @@ holds its shard (q and k as views into one fused qkv shard) and times, side by s
 * the same shard's single-GPU `cross_head_norm` (its fastest CUDA C version), no communication:
   the time the fused kernel should approach once communication is hidden.
 
-Timing: a CUDA graph of K calls (cycling through rotating input sets, as in `cookbook.bench`) is
-captured on every rank; each replay starts after a cross-rank barrier and is timed with CUDA
-events; per call = replay / K. A row reports the slowest rank's median (a collective is as fast
-as its last rank) and that rank's p20-p80. Rank 0 writes the tables.
+Timing (``--timing graph``, the default): a CUDA graph of K calls (cycling through rotating input
+sets, as in `cookbook.bench`) is captured on every rank; each replay starts after a cross-rank
+barrier and is timed with CUDA events; per call = replay / K. A row reports the slowest rank's
+median (a collective is as fast as its last rank) and that rank's p20-p80. Rank 0 writes the tables.
+
+``--timing back_to_back`` times as SGLang's benchmark of its fused TP QK norm did for its
+published figures: a CUDA graph of LAYERS calls, each on its own input set (a model's layers),
+captured after B2B_WARMUP_CALLS eager calls and replayed B2B_REPLAYS times back to back between
+two CUDA events, with no barrier; per call = the elapsed time / (replays x LAYERS), rank 0's
+(its benchmark printed rank 0's). A row also gives the slowest rank's. The two differ: here the
+ranks start once, so their skew is paid once per B2B_REPLAYS x LAYERS calls instead of once per
+replay, the mean replaces the median, and the input sets are LAYERS whatever the L2 size (at
+decode sizes every set stays in L2 in both methods). The results page of that mode is
+``<op>_<gpu>x<tp>_back_to_back.md``.
+
+``--propose-dispatch PAGE.json ...`` reads the JSON of full sweeps and prints, per world size,
+which kernel family was fastest at each token count and the kDispatchByWorld row (v12's table in
+kernels_cuda/tp_qk_norm.cuh) those measurements give.
 """
 
 from __future__ import annotations
@@ -54,6 +68,16 @@ SYMM_MEM_SUMS = "symm_mem_one_shot_sums"
 LOCAL_SHARD = "local_cross_head_norm"
 DECODE = "decode"  # --shapes decode: the decode rows only (a short run)
 DECODE_TOKENS = 128
+MINIMAX = "minimax"  # --shapes minimax: MiniMax-M2's widths at every token count
+MINIMAX_WIDTHS = (6144, 1024)
+GRAPH, BACK_TO_BACK = "graph", "back_to_back"  # --timing
+LAYERS = 8  # back_to_back: calls per graph, each on its own input set
+B2B_WARMUP_CALLS = 10
+B2B_REPLAYS = 100
+# SGLang's published fused TP QK norm on 4 x H200 at MiniMax-M2's widths (us per call at each token
+# count), timed back to back (see the module docstring); the pages set this run's rows beside them.
+PUBLISHED_TP4_H200_US = {1: 2.6, 128: 2.9, 2048: 8.0, 16384: 52.0}
+PUBLISHED_BY = "SGLang's fused TP QK norm (its benchmark: back-to-back graph replays, rank 0's mean)"
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -98,6 +122,28 @@ def time_per_call(fn, arg_sets, calls: int) -> tuple[list[float], str]:
         torch.cuda.synchronize()
         per_replay += bench.time_replays(replay, 1)
     return [us / calls for us in per_replay], ("loop: " + why_loop if why_loop else "graph")
+
+
+def time_back_to_back(fn, arg_sets) -> float:
+    """Per-call microseconds as SGLang's benchmark measured them (module docstring): LAYERS calls
+    over LAYERS input sets in one graph, replayed B2B_REPLAYS times back to back."""
+    layers = [arg_sets[i % len(arg_sets)] for i in range(LAYERS)]
+    for _ in range(B2B_WARMUP_CALLS):
+        fn(*layers[0])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in layers:
+            fn(*args)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(B2B_REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * bench.US_PER_MS / (B2B_REPLAYS * LAYERS)
 
 
 def slowest_rank(summary: dict) -> dict:
@@ -161,13 +207,14 @@ def calls_for(call_us: float, sets: int) -> int:
     return bench.calls_per_replay(sets, call_us) if call_us > 0 else sets
 
 
-def run_shape(shape, dtype, rank, world, group, meta, only=None) -> list[dict]:
+def run_shape(shape, dtype, rank, world, group, meta, only=None, timing=GRAPH) -> list[dict]:
     t, q_width, k_width = shape
     label = f"T={t} q={q_width} k={k_width} (shard {q_width // world}/{k_width // world})"
     elem = torch.empty((), dtype=dtype).element_size()
     bytes_per_call = 2 * t * (q_width + k_width) // world * elem
     budget = int(torch.cuda.get_device_properties(0).total_memory * MEMORY_BUDGET_FRACTION)
-    count = bench.rotating_set_count(bytes_per_call, bytes_per_call, meta["l2_bytes"], budget)
+    count = LAYERS if timing == BACK_TO_BACK else \
+        bench.rotating_set_count(bytes_per_call, bytes_per_call, meta["l2_bytes"], budget)
     full, sets = make_sets(shape, dtype, rank, world, count)
     rows = []
     candidates = [(impl.name, impl, None) for impl in registry.implementations(OP)]
@@ -186,12 +233,18 @@ def run_shape(shape, dtype, rank, world, group, meta, only=None) -> list[dict]:
                 fn, per_set = target.build(), [bench.positional(a) for a, _ in sets]
             else:
                 fn = target
-            estimate, _ = time_per_call(fn, per_set, len(per_set))
-            call_us = max(bench.percentile(estimate, 50), 0.0)
-            everyone = [None] * world
-            dist.all_gather_object(everyone, call_us)  # one K for every rank: the graphs must match
-            per_call, method = time_per_call(fn, per_set, calls_for(max(everyone), len(per_set)))
-            row.update(slowest_rank(bench.summarize(per_call)), method=method)
+            if timing == BACK_TO_BACK:
+                dist.barrier()
+                everyone = [None] * world
+                dist.all_gather_object(everyone, time_back_to_back(fn, per_set))
+                row.update(median_us=everyone[0], slowest_us=max(everyone), method=f"{B2B_REPLAYS} x {LAYERS} calls")
+            else:
+                estimate, _ = time_per_call(fn, per_set, len(per_set))
+                call_us = max(bench.percentile(estimate, 50), 0.0)
+                everyone = [None] * world
+                dist.all_gather_object(everyone, call_us)  # one K for every rank: the graphs must match
+                per_call, method = time_per_call(fn, per_set, calls_for(max(everyone), len(per_set)))
+                row.update(slowest_rank(bench.summarize(per_call)), method=method)
         except Exception as error:  # noqa: BLE001 - one failing row must not end the run
             row["error"] = bench.error_text(error)
         if rank == 0:
@@ -201,29 +254,60 @@ def run_shape(shape, dtype, rank, world, group, meta, only=None) -> list[dict]:
     return rows
 
 
-def table(rows) -> str:
+def table(rows, timing=GRAPH) -> str:
     local = {tuple(r["shape"]): r["median_us"] for r in rows if r["impl"] == LOCAL_SHARD}
     body = []
     for r in rows:
         base = local.get(tuple(r["shape"]))
         vs_local = f"{r['median_us'] / base:.2f}x" if r["median_us"] and base else "-"
-        timing = [f"{r['median_us']:.2f}", f"{r['p20_us']:.2f}-{r['p80_us']:.2f}", vs_local, r["method"]] \
+        spread = f"{r['slowest_us']:.2f}" if timing == BACK_TO_BACK else f"{r['p20_us']:.2f}-{r['p80_us']:.2f}"
+        timing_cells = [f"{r['median_us']:.2f}", spread, vs_local, r["method"]] \
             if r["median_us"] is not None else ["-", "-", "-", "-"]
         error = (r["error"][: bench.MAX_CELL_CHARS] + "...") if len(r["error"]) > bench.MAX_CELL_CHARS else r["error"]
-        body.append([r["label"], r["impl"], *timing, error or "ok"])
-    return bench.markdown_table(["shape", "impl", "median us (slowest rank)", "p20-p80 us", "x local shard",
-                                 "timed by", "check"], body)
+        body.append([r["label"], r["impl"], *timing_cells, error or "ok"])
+    head = ["rank 0's mean us", "slowest rank's mean us"] if timing == BACK_TO_BACK else \
+        ["median us (slowest rank)", "p20-p80 us"]
+    return bench.markdown_table(["shape", "impl", *head, "x local shard", "timed by", "check"], body)
 
 
-def write_results(rows, meta, out: Path, results_dir: Path | None) -> None:
+def published_comparison(rows, meta) -> str:
+    """The MiniMax-M2 rows at PUBLISHED_TP4_H200_US's token counts beside those figures, for the
+    latest CUDA C version, the fastest CUDA C version of each shape and the local shard."""
+    latest = registry.latest(OP, "cuda").name
+    cuda_rows = [r for r in rows if r["impl"].startswith("cuda_v") and r["median_us"] is not None]
+    body = []
+    for tokens, published in PUBLISHED_TP4_H200_US.items():
+        shape = [tokens, *MINIMAX_WIDTHS]
+        mine = {r["impl"]: r["median_us"] for r in rows if r["shape"] == shape and r["median_us"] is not None}
+        best = min((r for r in cuda_rows if r["shape"] == shape), key=lambda r: r["median_us"], default=None)
+        if latest not in mine:
+            continue
+        body.append([str(tokens), f"{published:.1f}", f"{mine[latest]:.2f} ({mine[latest] / published:.2f}x)",
+                     f"{best['impl']} {best['median_us']:.2f}" if best else "-",
+                     f"{mine[LOCAL_SHARD]:.2f}" if LOCAL_SHARD in mine else "-"])
+    if not body:
+        return ""
+    like = ("the same GPUs and TP" if meta["world"] == 4 and "H200" in meta["gpu"] else
+            f"not like for like: {meta['world']} x {meta['gpu']} here")
+    return "\n".join([
+        f"Against {PUBLISHED_BY} on 4 x H200 at MiniMax-M2's widths ({like}; this page's timing: "
+        f"{'the same method' if meta['timing_mode'] == BACK_TO_BACK else 'graph replays after a barrier, the slowest rank'}):",
+        "",
+        bench.markdown_table(["tokens", "published us", f"{latest} us (x published)", "fastest CUDA C version us",
+                              "local shard us"], body), ""])
+
+
+def write_results(rows, meta, out: Path, results_dir: Path | None, quiet: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{OP}_results.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
-    text = table(rows)
-    print(f"\n{OP} ({meta['dtype']}) on {meta['world']} x {meta['gpu']}\n{text}")
+    text = table(rows, meta["timing_mode"])
+    comparison = published_comparison(rows, meta)
+    if not quiet:
+        print(f"\n{OP} ({meta['dtype']}) on {meta['world']} x {meta['gpu']}\n{text}\n{comparison}")
     if results_dir is None:
         return
     results_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{OP}_{meta['gpu_slug']}x{meta['world']}"
+    stem = f"{OP}_{meta['gpu_slug']}x{meta['world']}" + ("_back_to_back" if meta["timing_mode"] == BACK_TO_BACK else "")
     page = [
         f"# {OP} on {meta['world']} x {meta['gpu']} ({meta['dtype']}, TP={meta['world']})",
         "",
@@ -239,10 +323,12 @@ def write_results(rows, meta, out: Path, results_dir: Path | None) -> None:
         "",
         text,
         "",
+        comparison,
     ]
     (results_dir / f"{stem}.md").write_text("\n".join(page))
     (results_dir / f"{stem}.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
-    print(f"wrote {results_dir / (stem + '.md')}")
+    if not quiet:
+        print(f"wrote {results_dir / (stem + '.md')}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,7 +379,7 @@ def launch_tour(nproc: int = DEFAULT_NPROC) -> int:
     return _torchrun(nproc, ["--tour"], {"NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": path})
 
 
-def metadata(command: str, dtype, world: int) -> dict:
+def metadata(command: str, dtype, world: int, timing_mode: str = GRAPH) -> dict:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return {
         "gpu": props.name, "gpu_slug": bench.gpu_slug(props.name), "sm_count": props.multi_processor_count,
@@ -301,16 +387,76 @@ def metadata(command: str, dtype, world: int) -> dict:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": bench.git_commit(), "command": command, "dtype": bench.dtype_name(dtype),
-        "timing": f"median of {TIMED_REPLAYS} CUDA-graph replays (each after a cross-rank barrier, "
-        f"{WARMUP_REPLAYS} warm-up replays), per call = replay / calls per replay, slowest rank",
+        "timing_mode": timing_mode,
+        "timing": (f"median of {TIMED_REPLAYS} CUDA-graph replays (each after a cross-rank barrier, "
+                   f"{WARMUP_REPLAYS} warm-up replays), per call = replay / calls per replay, slowest rank"
+                   if timing_mode == GRAPH else
+                   f"SGLang's benchmark's method: {B2B_WARMUP_CALLS} eager calls, a CUDA graph of {LAYERS} calls "
+                   f"over {LAYERS} input sets, {B2B_REPLAYS} replays back to back between two CUDA events (no "
+                   f"barrier), per call = elapsed / {B2B_REPLAYS * LAYERS}; rank 0's mean, and the slowest rank's"),
     }
+
+
+# The kernel families of v12's table and the versions whose rows measure each (kernels_cuda/tp_qk_norm.cuh):
+# v10 runs its held-row kernel up to 2 tokens per SM, v11 its token rows wherever the row pair fits,
+# v6 its tiles above 2 tokens per SM, v9 its lagged walk where a chunk has a token per resident CTA.
+FAMILIES = {"held_rows": "cuda_v10", "token_rows": "cuda_v11", "tiles": "cuda_v6", "lagged": "cuda_v9"}
+HELD_MAX_TOKENS_PER_SM = 2
+LAGGED_MIN_TOKENS_PER_SM = 8  # v9's walk runs from a token per resident CTA: 7 or 8 per SM at the MiniMax shards
+
+
+def propose_dispatch(pages) -> str:
+    """Per world size, the fastest family at each MiniMax-M2 token count of the sweeps' JSON and the
+    kDispatchByWorld row they give: held rows up to the largest tokens per SM where they win,
+    token rows up to the largest where they win above that, lagged prefill where v9 beat v6 at
+    the largest token count."""
+    lines = []
+    for page in pages:
+        data = json.loads(page.read_text())
+        meta, rows = data["metadata"], data["rows"]
+        sms, world = meta["sm_count"], meta["world"]
+        times = {(r["impl"], r["shape"][0]): r["median_us"] for r in rows
+                 if r["median_us"] is not None and tuple(r["shape"][1:]) == MINIMAX_WIDTHS}
+        tokens = sorted({t for _, t in times})
+        held, token_rows, lagged = 0, 0, False
+        lines.append(f"{page.name}: {world} x {meta['gpu']} ({meta.get('timing_mode', GRAPH)}), commit {meta['commit']}")
+        for t in tokens:
+            per_sm = -(-t // sms)
+            candidates = {family: times.get((impl, t)) for family, impl in FAMILIES.items()}
+            if per_sm > HELD_MAX_TOKENS_PER_SM:
+                candidates.pop("held_rows")
+            else:
+                candidates.pop("tiles")  # v6's rows there are its decode kernel, not its tiles
+            if per_sm < LAGGED_MIN_TOKENS_PER_SM:
+                candidates.pop("lagged")  # v9's rows there are v6's kernels
+            found = {f: us for f, us in candidates.items() if us is not None}
+            if not found:
+                continue
+            winner = min(found, key=found.get)
+            lines.append(f"  T={t:6d} ({per_sm:4d} per SM): {winner:10s} "
+                         + ", ".join(f"{f} {us:.2f}" for f, us in sorted(found.items(), key=lambda kv: kv[1])))
+            if winner == "held_rows":  # up to its tiling's limit when it wins at the largest decode size measured
+                held = HELD_MAX_TOKENS_PER_SM if t == max(x for x in tokens if -(-x // sms) <= HELD_MAX_TOKENS_PER_SM) \
+                    else max(held, per_sm)
+            if winner == "token_rows" and per_sm > HELD_MAX_TOKENS_PER_SM:
+                token_rows = max(token_rows, per_sm)
+            if t == tokens[-1]:
+                lagged = found.get("lagged", float("inf")) < found.get("tiles", float("inf"))
+        lines.append(f"  kDispatchByWorld[{world}] = {{{held}, {token_rows}, {'true' if lagged else 'false'}}}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cookbook.bench.tp")
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(bench.DTYPES))
-    parser.add_argument("--shapes", default="full", choices=(*bench.SHAPE_CHOICES, DECODE),
-                        help=f"quick: first, middle and last shapes; {DECODE}: the shapes of at most {DECODE_TOKENS} tokens")
+    parser.add_argument("--shapes", default="full", choices=(*bench.SHAPE_CHOICES, DECODE, MINIMAX),
+                        help=f"quick: first, middle and last shapes; {DECODE}: the shapes of at most {DECODE_TOKENS} "
+                             f"tokens; {MINIMAX}: MiniMax-M2's widths at every token count")
+    parser.add_argument("--tokens", default=None, help="only these token counts, comma-separated")
+    parser.add_argument("--timing", default=GRAPH, choices=(GRAPH, BACK_TO_BACK),
+                        help=f"{BACK_TO_BACK}: SGLang's benchmark's method (the module docstring)")
+    parser.add_argument("--propose-dispatch", nargs="+", default=None, metavar="PAGE.json",
+                        help="print the dispatch table row per world size that these sweeps measured")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--results-dir", default="docs/results")
     parser.add_argument("--no-results", action="store_true")
@@ -324,6 +470,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.impls.split(",")) - set(known)) if args.impls else []
     if unknown:
         parser.error(f"--impls: unknown row(s) {unknown}; expected names from {known}")
+    if args.propose_dispatch:
+        print(propose_dispatch([Path(p) for p in args.propose_dispatch]))
+        return 0
     if args.tour:
         if not under_torchrun():
             return launch_tour(args.nproc or DEFAULT_NPROC)
@@ -343,16 +492,24 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     dtype = bench.resolve_dtype(args.dtype)
-    meta = metadata(args.command or "python -m cookbook.bench.tp", dtype, world)
+    meta = metadata(args.command or "python -m cookbook.bench.tp", dtype, world, args.timing)
     rows = []
     try:
-        shapes = [sh for sh in tp.BENCH_SHAPES if sh[0] <= DECODE_TOKENS] if args.shapes == DECODE else \
-            bench.select_shapes(tp.BENCH_SHAPES, args.shapes)
-        for shape in shapes:
-            rows += run_shape(shape, dtype, rank, world, group, meta, args.impls.split(",") if args.impls else None)
+        if args.shapes == DECODE:
+            shapes = [sh for sh in tp.BENCH_SHAPES if sh[0] <= DECODE_TOKENS]
+        elif args.shapes == MINIMAX:
+            shapes = [sh for sh in tp.BENCH_SHAPES if tuple(sh[1:]) == MINIMAX_WIDTHS]
+        else:
+            shapes = bench.select_shapes(tp.BENCH_SHAPES, args.shapes)
+        if args.tokens:
+            shapes = [sh for sh in shapes if sh[0] in {int(t) for t in args.tokens.split(",")}]
+        for shape in shapes:  # the page is rewritten after every shape: a run cut short keeps what it measured
+            rows += run_shape(shape, dtype, rank, world, group, meta, args.impls.split(",") if args.impls else None,
+                              args.timing)
             torch.cuda.empty_cache()
-        if rank == 0:
-            write_results(rows, meta, Path(args.out), None if args.no_results else Path(args.results_dir))
+            if rank == 0:
+                write_results(rows, meta, Path(args.out), None if args.no_results else Path(args.results_dir),
+                              quiet=shape != shapes[-1])
     finally:
         dist.barrier()
         dist.destroy_process_group()

@@ -32,11 +32,14 @@ Contract
   `torch.distributed` is initialized, else a single rank). tp = the group's size; tp=1 is
   `cross_head_norm`. NCCL groups take CUDA tensors, gloo groups CPU tensors (the Numba simulator
   and the reference run there).
-* Collective: every rank of the group must make the same call (same backend, same token count,
-  same shard widths). A mismatch is an error on every rank, never a hang: the NCCL paths compare
-  the ranks' shapes with one small all-reduce first; the fused CUDA kernel compares them on the
-  GPU (see `cookbook.tp_workspace`), leaves every shard untouched, and the error is raised by the
-  next call on each rank (or by `raise_pending_errors()`).
+* Collective: every rank of the group must make the same call: the same backend, token count and
+  shard widths, and the same eps, weight_offset, rounding, dtype and weight storage (AGREED). A
+  disagreement is an error on every rank, never a hang or a rank computing with its own values:
+  the NCCL paths compare all of it with one small all-reduce first (`check_ranks_agree`); the
+  fused CUDA kernel compares it in the header it exchanges (see `cookbook.tp_workspace`), leaves
+  every shard untouched, and the error is raised by the next call on each rank (or by
+  `raise_pending_errors()`). A rank that rejects its own arguments still takes part, to tell the
+  others; a rank that never makes the call is given up on after the group's wait limit.
 * ``rounding``, ``weight_offset``: as in `cross_head_norm`.
 * Returns ``(q_shard, k_shard)``, normalized in place. Nothing is written unless every check passes.
 * Edges, as in `cross_head_norm` (docs/edge_cases.md), per rank: the shards share no byte with
@@ -51,6 +54,8 @@ by a sum over shards), for teaching and tests on one device or a CPU.
 
 from __future__ import annotations
 
+import struct
+import time
 from dataclasses import dataclass
 
 import torch
@@ -132,25 +137,108 @@ def collective_device(group, like: torch.Tensor) -> torch.device:
     return like.device if like.device.type == "cpu" else torch.device("cpu")
 
 
-def check_ranks_agree(a: TPQKNormArgs) -> None:
-    """Every rank learns the group's smallest and largest token count and shard widths from one
-    small all-reduce (max of [T, -T, ...]), so a mismatch raises on every rank instead of
-    leaving the larger ranks waiting for partial sums that never come."""
-    rank, world = world_of(a.group)
+# What the ranks of a call must agree on: the shapes (a rank with more tokens would wait for sums
+# nobody sends) and everything that changes the math (each rank would compute with its own).
+# "rejected" is 1 + the rank of a rank that rejected its own arguments and takes part only to say
+# so (its peers then raise instead of waiting for it).
+AGREED = ("rejected", "tokens", "q_shard width", "k_shard width", "eps", "weight_offset", "rounding", "dtype",
+          "q_weight_shard dtype", "k_weight_shard dtype", "implementation")
+
+
+class WaitLimitExceeded(RuntimeError):
+    """The ranks' exchange did not complete within the wait limit: the group is out of step."""
+
+
+def _float_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def agreed_values(a: TPQKNormArgs | None, rank: int, implementation: int) -> list[int]:
+    """This rank's AGREED values as int64s (floats by their bits); `a` None: rejected."""
+    if a is None:
+        return [rank + 1] + [0] * (len(AGREED) - 1)
+    return [0, a.q.shape[0], a.q.shape[1], a.k.shape[1], _float_bits(a.eps), _float_bits(a.weight_offset),
+            C.ROUNDING_MODES.index(a.rounding), C.ACTIVATION_DTYPES.index(a.q.dtype),
+            int(a.q_weight.dtype == torch.float32), int(a.k_weight.dtype == torch.float32), implementation]
+
+
+def _shown(field: str, value: int, implementations) -> object:
+    if field in ("eps", "weight_offset"):
+        return _bits_float(value)
+    if field == "rounding":
+        return repr(C.ROUNDING_MODES[value])
+    if field == "dtype":
+        return C.ACTIVATION_DTYPES[value]
+    if field.endswith("weight_shard dtype"):
+        return "float32" if value else "the activation dtype"
+    if field == "implementation":
+        return repr(implementations[value - 1]) if 0 < value <= len(implementations) else value
+    return value
+
+
+def wait_bounded(work, seconds: float, what: str) -> None:
+    """Wait for a torch.distributed request, at most `seconds`; WaitLimitExceeded after that."""
+    deadline = time.monotonic() + seconds
+    spin_until = time.monotonic() + 1e-3  # the common case completes within a millisecond: poll it
+    while not work.is_completed():
+        now = time.monotonic()
+        if now > deadline:
+            raise WaitLimitExceeded(what)
+        if now > spin_until:
+            time.sleep(1e-4)
+    work.wait()
+
+
+def check_ranks_agree(a: TPQKNormArgs | None, implementation: int = 0, *, group=None, wait_limit_s: float = 120.0,
+                      implementations=()) -> None:
+    """Every rank learns the group's smallest and largest value of each AGREED field from one
+    small all-reduce (max of [v, -v, ...]), so a disagreement raises on every rank, before anything
+    is written, instead of leaving ranks waiting for sums that never come or computing with other
+    settings. `a` None: this rank rejected its arguments and takes part only to say so (the peers
+    raise; this rank raises its own error). `implementation`: the code of the implementation this
+    rank runs (names: `implementations[code - 1]`). The exchange waits at most `wait_limit_s`:
+    WaitLimitExceeded after that (a rank left the call, or never made it)."""
+    group = a.group if a is not None else group
+    rank, world = world_of(group)
     if world == 1:
         return
-    mine = (a.q.shape[0], a.q.shape[1], a.k.shape[1])
+    mine = agreed_values(a, rank, implementation)
     signed = torch.tensor([v for m in mine for v in (m, -m)], dtype=torch.int64,
-                          device=collective_device(a.group, a.q))
-    dist.all_reduce(signed, op=dist.ReduceOp.MAX, group=a.group)
+                          device=collective_device(group, a.q if a is not None else torch.empty(0)))
+    work = dist.all_reduce(signed, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    wait_bounded(work, wait_limit_s, (
+        f"tp_qk_norm: rank {rank} waited more than {wait_limit_s:g} s for the other ranks of its group (tp={world}) "
+        f"to compare their arguments: a rank left the call early, never made it, or runs the fused kernel. The "
+        f"group's collectives are out of step now (this exchange is still pending), so every later tp_qk_norm call "
+        f"on it raises: create a new process group"))
     hi_lo = signed.tolist()
-    for i, (what, name, x) in enumerate((("tokens", "q_shard", a.q), ("shard width", "q_shard", a.q),
-                                         ("shard width", "k_shard", a.k))):
+    rejected = hi_lo[0]
+    if a is None:
+        return
+    if rejected:
+        raise RuntimeError(f"tp_qk_norm: rank {rejected - 1} of the group (tp={world}) rejected its arguments of "
+                           f"this call (its own error says why): nothing was written on any rank")
+    for i, field in enumerate(AGREED):
         largest, smallest = hi_lo[2 * i], -hi_lo[2 * i + 1]
-        if largest != smallest:
-            raise ValueError(
-                f"{name}: expected the same {what} on every rank of the group (tp={world}); rank {rank} has "
-                f"{mine[i]}, the group has {smallest}..{largest}; got {C.describe(x)}")
+        if largest == smallest:
+            continue
+        name, what = {"tokens": ("q_shard", "tokens"), "q_shard width": ("q_shard", "shard width"),
+                      "k_shard width": ("k_shard", "shard width"), "dtype": ("q_shard", "dtype"),
+                      "implementation": ("backend", "implementation"),
+                      "q_weight_shard dtype": ("q_weight_shard", "dtype (float32 or the activation dtype)"),
+                      "k_weight_shard dtype": ("k_weight_shard", "dtype (float32 or the activation dtype)"),
+                      }.get(field, (field, field))
+        show = lambda v: _shown(field, v, implementations)  # noqa: E731
+        described = f"; got {C.describe(a.q if name == 'q_shard' else a.k)}" if name in ("q_shard", "k_shard") else ""
+        ordered = field in ("tokens", "q_shard width", "k_shard width")  # the others: two of the values held
+        group_has = (f"the group has {show(smallest)}..{show(largest)}" if ordered else
+                     f"the ranks hold {show(smallest)} and {show(largest)} among others")
+        raise ValueError(f"{name}: expected the same {what} on every rank of the group (tp={world}); rank {rank} has "
+                         f"{show(mine[i])}, {group_has}{described}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-// Torch binding of kernels_cuda/tp_qk_norm.cuh: three ops, all in place.
+// Torch binding of kernels_cuda/tp_qk_norm.cuh: four ops, all in place.
 //   cookbook::tp_qk_norm_sum_sq   v1 step 1: [T, 2] float32 partial sums of squares of this shard
 //   cookbook::tp_qk_norm_apply    v1 step 3: normalize the shard from the all-reduced sums
-//   cookbook::tp_qk_norm_fused    v2, v3: the whole op in one kernel, peers' buffers by address
+//   cookbook::tp_qk_norm_fused    v2 on: the whole op in one kernel, peers' buffers by address
+//   cookbook::tp_qk_norm_absent   the fused protocol's launch of a rank that rejected its arguments
 // The all-reduce of v1 (NCCL) and the symmetric-memory workspace of v2 are set up in Python
 // (cookbook/cuda.py, cookbook/tp_workspace.py); the fake (meta) kernels are registered there too.
 #include <torch/library.h>
@@ -72,31 +73,49 @@ void apply_cuda(at::Tensor q, at::Tensor k, const at::Tensor& q_weight, const at
   glue::check_launch(tp_qk_norm::apply(a, glue::dtype_of(q), hf_rounding, stream));
 }
 
-void fused_cuda(at::Tensor q, at::Tensor k, const at::Tensor& q_weight, const at::Tensor& k_weight, at::Tensor counters,
-                c10::IntArrayRef buffers, int64_t status, int64_t rank, int64_t capacity, double eps,
-                double weight_offset, bool hf_rounding, int64_t version) {
+// The workspace's part of the fused kernel's parameters: the peers' buffers, this rank, the
+// counters and the status words (cookbook/tp_workspace.py).
+tp_qk_norm::FusedParams workspace_params(const at::Tensor& counters, c10::IntArrayRef buffers, int64_t status,
+                                         int64_t rank, int64_t capacity) {
   tp_qk_norm::FusedParams p{};
-  p.shard = shard_params(q, k, &q_weight, &k_weight, eps, weight_offset);
   const auto world = static_cast<int64_t>(buffers.size());
   TORCH_CHECK(world >= 1 && world <= tp_qk_norm::kMaxRanks, "buffers: expected 1..", tp_qk_norm::kMaxRanks,
               " peer buffers, got ", world);
   TORCH_CHECK(rank >= 0 && rank < world, "rank: expected 0..", world - 1, ", got ", rank);
   TORCH_CHECK(capacity >= 1, "capacity: expected >= 1 token, got ", capacity);
-  TORCH_CHECK(counters.device() == q.device() && counters.scalar_type() == at::kInt && counters.numel() == tp_qk_norm::kNumCounters &&
-                  counters.is_contiguous(),
-              "counters: expected a contiguous int32 [", tp_qk_norm::kNumCounters, "] on ", q.device());
+  TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt &&
+                  counters.numel() == tp_qk_norm::kNumCounters && counters.is_contiguous(),
+              "counters: expected a contiguous CUDA int32 [", tp_qk_norm::kNumCounters, "]");
   for (int64_t r = 0; r < world; ++r) p.buffers[r] = reinterpret_cast<uint64_t*>(buffers[r]);
-  p.call_tokens = q.size(0);
-  p.q_full_width = static_cast<float>(p.shard.q_hidden * world);
-  p.k_full_width = static_cast<float>(p.shard.k_hidden * world);
   p.rank = static_cast<int>(rank);
   p.world = static_cast<int>(world);
   p.capacity = capacity;
   p.counters = reinterpret_cast<uint32_t*>(counters.data_ptr<int32_t>());
   p.status = reinterpret_cast<volatile int64_t*>(status);
+  return p;
+}
+
+void fused_cuda(at::Tensor q, at::Tensor k, const at::Tensor& q_weight, const at::Tensor& k_weight, at::Tensor counters,
+                c10::IntArrayRef buffers, int64_t status, int64_t rank, int64_t capacity, double eps,
+                double weight_offset, bool hf_rounding, int64_t version) {
+  tp_qk_norm::FusedParams p = workspace_params(counters, buffers, status, rank, capacity);
+  p.shard = shard_params(q, k, &q_weight, &k_weight, eps, weight_offset);
+  TORCH_CHECK(counters.device() == q.device(), "counters: expected them on ", q.device(), ", got ", counters.device());
+  TORCH_CHECK(version >= 2 && version <= tp_qk_norm::kNumVersions, "version: expected 2..", tp_qk_norm::kNumVersions,
+              ", got ", version);
+  p.q_full_width = static_cast<float>(p.shard.q_hidden * p.world);
+  p.k_full_width = static_cast<float>(p.shard.k_hidden * p.world);
+  tp_qk_norm::call_header(p, q.size(0), glue::dtype_of(q), hf_rounding, static_cast<int>(version),
+                          p.status[tp_qk_norm::kStatusCallNumber]);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device());
   glue::check_launch(tp_qk_norm::fused(p, glue::dtype_of(q), hf_rounding, static_cast<int>(version), stream));
+}
+
+void absent_cuda(at::Tensor counters, c10::IntArrayRef buffers, int64_t status, int64_t rank, int64_t capacity) {
+  const tp_qk_norm::FusedParams p = workspace_params(counters, buffers, status, rank, capacity);
+  const c10::cuda::CUDAGuard guard(counters.device());
+  glue::check_launch(tp_qk_norm::absent(p, c10::cuda::getCurrentCUDAStream(counters.get_device())));
 }
 
 }  // namespace
@@ -110,10 +129,12 @@ TORCH_LIBRARY_FRAGMENT(cookbook, m) {
       "tp_qk_norm_fused(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, Tensor(c!) counters, "
       "int[] buffers, int status, int rank, int capacity, float eps, float weight_offset, bool hf_rounding, "
       "int version) -> ()");
+  m.def("tp_qk_norm_absent(Tensor(a!) counters, int[] buffers, int status, int rank, int capacity) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cookbook, CUDA, m) {
   m.impl("tp_qk_norm_sum_sq", &sum_sq_cuda);
   m.impl("tp_qk_norm_apply", &apply_cuda);
   m.impl("tp_qk_norm_fused", &fused_cuda);
+  m.impl("tp_qk_norm_absent", &absent_cuda);
 }
