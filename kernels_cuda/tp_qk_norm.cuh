@@ -1594,17 +1594,17 @@ struct Dispatch {
 };
 
 // The rows, from measurements (docs/tp_qk_norm.md, "v12", says which): TP=2 is v10's dispatch as
-// its page of record measured it. TP=4 and TP=8 run the tiles at prefill: the only prefill kernel
-// their pages measured, and the one that beat v10's lagged walk in a quick TP=4 sweep. v11's token
-// rows have no range yet (0): they wait for their first sweep (`python -m cookbook.bench.tp
-// --propose-dispatch` reads it). World sizes without a measurement take the row of the next
-// measured size up: their shards are at least as wide.
+// its page of record measured it. TP=4 is what its MiniMax-M2 sweep measured (`python -m
+// cookbook.bench.tp --propose-dispatch` reads a sweep and prints the row): v11's token rows up to
+// 4 tokens per SM, v9's lagged walk above. TP=8 runs the tiles at prefill, the only prefill kernel
+// its page measured. World sizes without a measurement take the row of the next measured size up:
+// their shards are at least as wide.
 constexpr Dispatch kDispatchByWorld[kMaxRanks + 1] = {
     {2, 0, true},   // 0: unused
     {2, 0, true},   // 1: a group of one (the checks run it), as 2
     {2, 0, true},   // 2: measured
-    {2, 0, false},  // 3: as 4
-    {2, 0, false},  // 4: measured (prefill)
+    {0, 4, true},   // 3: as 4
+    {0, 4, true},   // 4: measured
     {2, 0, false},  // 5: as 8
     {2, 0, false},  // 6: as 8
     {2, 0, false},  // 7: as 8

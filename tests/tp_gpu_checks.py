@@ -35,6 +35,7 @@ world size after a full run). What it proves:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import re
 import sys
@@ -115,6 +116,8 @@ def check_agreement(rank, world, small, only_impls=None, quick=False):
     if only_impls:
         impls = [registry.get(tp.OP, name) for name in only_impls]
     for t, q_shard, k_shard in shapes:
+        if rank == 0:
+            print(f"  check_agreement: T={t} shard {q_shard}/{k_shard}", flush=True)
         _, q_width, k_width = full(t, q_shard, k_shard)
         for dtype in (torch.bfloat16,) if small else (torch.float32, torch.bfloat16) if quick else DTYPES:
             for rounding in ("fused", "hf"):
@@ -654,7 +657,11 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=None, help="check_reuse's calls (1000; --quick: 200)")
     parser.add_argument("--only", default=None, help="run only the checks with these names, comma-separated (e.g. check_compile)")
     parser.add_argument("--impls", default=None, help="check_agreement: only these implementations, comma-separated")
+    parser.add_argument("--dump-after", type=float, default=None,
+                        help="print every rank's Python stack after this many seconds (where a run that hangs waits)")
     args = parser.parse_args()
+    if args.dump_after:
+        faulthandler.dump_traceback_later(args.dump_after)
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
@@ -671,6 +678,8 @@ def main() -> int:
             print(f"skipped in a group of one: {', '.join(skipped)}", flush=True)
     for check in checks:
         start = time.perf_counter()
+        if rank == 0:
+            print(f"{check.__name__} ...", flush=True)
         try:
             if check is check_agreement:
                 check(rank, world, args.small, args.impls and args.impls.split(","), quick=args.quick)
