@@ -77,8 +77,9 @@ def with_minimax(cases, tokens):
     return list(cases) + ([(t, *shard) for t in tokens] if shard and shard != TP2_SHARD else [])
 
 
-def check_shards(label, shard, full, rank, world, eps=1e-6, weight_offset=0.0, rounding="fused"):
-    expected = tp.expected(full, rank, world, eps, weight_offset, rounding)
+def check_shards(label, shard, full, rank, world, eps=1e-6, weight_offset=0.0, rounding="fused", expected=None):
+    """`shard` against the reference on the full inputs (`expected`: computed once by the caller)."""
+    expected = expected or tp.expected(full, rank, world, eps, weight_offset, rounding)
     for name in ("q_shard", "k_shard"):
         exact, rounded = expected[name]
         r = agreement(f"{label}:{name}", shard[name], exact, rounded, rounding, tp.TOLERANCES[shard[name].dtype])
@@ -124,15 +125,16 @@ def check_agreement(rank, world, small, only_impls=None, quick=False):
                 for weight_dtype in (None, torch.float32):
                     full_inputs = tp.make_full_inputs(t, q_width, k_width, dtype, "cuda", seed=t + q_width,
                                                       weight_dtype=weight_dtype)
+                    want = tp.expected(full_inputs, rank, world, 1e-6, 0.0, rounding)
                     for impl in impls:
                         shard = tp.shard_of(full_inputs, rank, world)
                         run(impl.fn, shard, rounding=rounding)
                         check_shards(f"{impl.name} T={t} shard {q_shard}/{k_shard} {dtype} {rounding} w={weight_dtype}",
-                                     shard, full_inputs, rank, world, rounding=rounding)
+                                     shard, full_inputs, rank, world, rounding=rounding, expected=want)
                     shard = tp.shard_of(full_inputs, rank, world)
                     cookbook.tp_qk_norm(**shard, rounding=rounding)  # the public op, backend="auto"
                     check_shards(f"public T={t} shard {q_shard}/{k_shard} {dtype} {rounding}", shard, full_inputs,
-                                 rank, world, rounding=rounding)
+                                 rank, world, rounding=rounding, expected=want)
     # Unaligned views (a qkv shard whose q starts one element in): the element-at-a-time path.
     full_inputs = tp.make_full_inputs(*full(7, 48, 24), torch.bfloat16, "cuda", seed=3)
     shard = tp.shard_of(full_inputs, rank, world)
@@ -663,6 +665,8 @@ def main() -> int:
     if args.dump_after:
         faulthandler.dump_traceback_later(args.dump_after)
     local_rank = int(os.environ["LOCAL_RANK"])
+    # torchrun leaves each rank one CPU thread; the inputs are drawn on the CPU (seeded).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
