@@ -680,6 +680,7 @@ def main() -> int:
         checks = [c for c in checks if c not in MULTI_RANK_CHECKS]
         if skipped:
             print(f"skipped in a group of one: {', '.join(skipped)}", flush=True)
+    reported = 0
     for check in checks:
         start = time.perf_counter()
         if rank == 0:
@@ -694,6 +695,9 @@ def main() -> int:
             torch.cuda.synchronize()
         except Exception:  # noqa: BLE001 - report it and go on with the next check
             failures.append(f"{check.__name__}: {traceback.format_exc()}")
+        for message in failures[reported:]:  # as they happen: a run cut short still says what failed
+            print(f"rank {rank}: {message}", flush=True)
+        reported = len(failures)
         if rank == 0:
             print(f"{check.__name__}: {time.perf_counter() - start:.1f} s", flush=True)
     everyone = [None] * world
