@@ -439,3 +439,59 @@ def test_gpu_cuda_graph_of_a_patched_decode_step():
 
 def test_public_names():
     assert set(integrations.__all__) <= set(dir(integrations))
+
+
+class _StaticLayer:
+    """A cache layer whose fill counter starts on the CPU and is replaced on first use, as
+    transformers' static cache layers move theirs to the keys' device at lazy initialization."""
+
+    def __init__(self):
+        self.cumulative_length = torch.tensor(0)
+
+
+class _FakeCache:
+    def __init__(self):
+        self.layers = [_StaticLayer()]
+
+
+class _CounterOnAnotherDevice:
+    """Stands for the counter after it moved to the GPU: copy_ refuses a value from elsewhere, as
+    a copy from the CPU is refused inside a CUDA graph capture."""
+
+    device = torch.device("meta")
+
+    def copy_(self, value):
+        assert value.device == self.device, f"copy from {value.device} into a counter on {self.device}"
+        self.value = value
+
+
+def test_cache_restorer_follows_a_counter_that_moved_device():
+    cache = _FakeCache()
+    restore = bench.cache_restorer({"past_key_values": cache})  # saved while the counter is on the CPU
+    moved = _CounterOnAnotherDevice()
+    cache.layers[0].cumulative_length = moved  # the prefill call initialized the cache
+    restore()
+    assert moved.value.device == moved.device
+    restore()  # the moved value is kept: no copy between devices again (a graph capture)
+    assert moved.value.device == moved.device
+
+
+def test_a_call_that_does_not_repeat_is_reported_not_timed():
+    class Drifting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x + self.calls
+
+    module = Drifting()
+    call = bench.Call(module, (torch.zeros(3),), {}, lambda: None)
+    rows = bench.time_modules(None, {"attention block": module}, {"attention block": call},
+                              patch=None, unpatch=None, backend="auto")
+    assert rows == [{"module": "attention block", "not_repeatable": rows[0]["not_repeatable"]}]
+    assert "max |difference| 1" in rows[0]["not_repeatable"]
+    row = {"family": "fake", "size": "decode", "tokens": "1 x 1", **rows[0]}
+    assert "not timed: two calls" in bench.row_text(row)
+    assert not bench.all_ok({"errors": {}, "parity": {}, "timing": [row]})

@@ -188,9 +188,14 @@ def table(op: str) -> str:
 # --------------------------------------------------------------------------------------------
 # The ladder layout: the ladder table and the results table, from the recorded sweep.
 # --------------------------------------------------------------------------------------------
-def recorded_rows(op: str) -> tuple[dict, dict]:
-    """({(impl, label): row}, metadata) of docs/results/<op>_<gpu>.json ({} where there is none)."""
-    path = RESULTS_DIR / f"{op}_{RECORDED_GPU}.json"
+def recorded_path(op: str, tag: str | None = None) -> Path:
+    """docs/results/<op>_<gpu>[_<tag>].json: the recorded sweep (`tag`: a partial sweep's, e.g. `--tag peers`)."""
+    return RESULTS_DIR / f"{op}_{RECORDED_GPU}{'_' + tag if tag else ''}.json"
+
+
+def recorded_rows(op: str, tag: str | None = None) -> tuple[dict, dict]:
+    """({(impl, label): row}, metadata) of `recorded_path(op, tag)` ({} where there is none)."""
+    path = recorded_path(op, tag)
     if not path.exists():
         return {}, {}
     data = json.loads(path.read_text())
@@ -240,8 +245,10 @@ def ladder_table(op: str) -> str:
     return "\n".join(lines)
 
 
-def results_table(op: str) -> str:
-    rows, meta = recorded_rows(op)
+def results_table(op: str, tag: str | None = None) -> str:
+    """Our fastest path against each peer, per shape, from the recorded sweep (`tag`: a partial
+    sweep's pages, e.g. `--tag peers`)."""
+    rows, meta = recorded_rows(op, tag)
     ours = registry.fastest(op).name
     others = [impl.name for impl in registry.implementations(op, ("peer",))]
     labels = list(dict.fromkeys(label for _, label in rows))
@@ -258,8 +265,8 @@ def results_table(op: str) -> str:
                 cells.append(f"{row['median_us']:.2f} us ({row['median_us'] / mine['median_us']:.2f}x ours)")
         lines.append(f"| {label} | {' | '.join(cells)} |")
     when = f"{meta['gpu']}, {meta['date'][:10]}, commit {meta['commit']}" if meta else "no recorded sweep"
-    lines += ["", f"({when}; bf16, fused rounding; q and k as views of one fused qkv tensor; -: not timed, the "
-                  "results page says why.)"]
+    layout = "q and k as views of one fused qkv tensor" if tag is None else "the layouts the results page names"
+    lines += ["", f"({when}; bf16, fused rounding; {layout}; -: not timed, the results page says why.)"]
     return "\n".join(lines)
 
 
@@ -273,9 +280,8 @@ def write_generated(op: str) -> Path:
     ends with its note in parentheses (the older layout's versions and occupancy tables)."""
     page = RESULTS_DIR.parent / f"{op}.md"
     text = page.read_text()
-    ladder = any(impl.extension is not None for impl in registry.implementations(op))
-    for name, table_text in zip(("ladder", "results") if ladder else ("versions", "occupancy"), tables(op)):
-        if ladder:
+    for name, table_text in named_tables(op):
+        if name in ("ladder", "results", "peers"):
             start, end = GENERATED.format(name), GENERATED_END.format(name)
             before, rest = text.split(start, 1)
             _, after = rest.split(end, 1)
@@ -289,11 +295,19 @@ def write_generated(op: str) -> Path:
     return page
 
 
+def named_tables(op: str) -> list[tuple[str, str]]:
+    """(name, text) of each generated table of an op's page: the ladder layout's ladder and results
+    tables; the older layout's versions table (and cross_head_norm's occupancy table) and, where a
+    peers sweep is recorded (`--tag peers`), the comparison with the peers."""
+    if any(impl.extension is not None for impl in registry.implementations(op)):
+        return [("ladder", ladder_table(op)), ("results", results_table(op))]
+    named = [("versions", table(op))] + ([("occupancy", occupancy_table(op))] if op == "cross_head_norm" else [])
+    return named + ([("peers", results_table(op, "peers"))] if recorded_path(op, "peers").exists() else [])
+
+
 def tables(op: str) -> list[str]:
     """The generated tables of an op's page."""
-    if any(impl.extension is not None for impl in registry.implementations(op)):
-        return [ladder_table(op), results_table(op)]
-    return [table(op)] + ([occupancy_table(op)] if op == "cross_head_norm" else [])
+    return [text for _, text in named_tables(op)]
 
 
 # --------------------------------------------------------------------------------------------
