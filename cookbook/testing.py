@@ -44,8 +44,13 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     info = torch.finfo(dtype)
     mantissa = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}[dtype]
     min_exp = int(math.log2(info.tiny))
-    exp = torch.floor(torch.log2(x.abs().clamp_min(info.tiny)))
-    return torch.exp2(exp.clamp_min(min_exp) - mantissa)
+    # frexp: |x| = m * 2^e with m in [0.5, 1), so floor(log2 |x|) = e - 1 exactly, on any device
+    # (a log2 may round a value just below a power of two up to it).
+    # An infinite value keeps an infinite ulp (a float16 result that overflows to inf, as the exact
+    # value rounds, is not charged).
+    _, e = torch.frexp(x.abs().clamp_min(info.tiny))
+    size = torch.exp2((e - 1).clamp_min(min_exp).to(x.dtype) - mantissa)
+    return torch.where(x.isinf(), torch.full_like(size, math.inf), size)
 
 
 @dataclass(frozen=True)
@@ -56,13 +61,14 @@ class Agreement:
 
 
 def agreement(name, actual, exact, rounded, rounding, tol: Tolerance) -> Agreement:
-    """Compare `actual` with the float64 `exact` value (fused) or the `rounded` HF-order reference."""
+    """Compare `actual` with the float64 `exact` value (fused) or the `rounded` HF-order reference,
+    in float64 on `actual`'s device (a GPU compares large tensors in a fraction of the CPU's time)."""
     dtype = actual.dtype
-    a = actual.detach().to("cpu", torch.float64)
+    a = actual.detach().to(torch.float64)
     if rounding == "fused":
-        want, limit = exact.detach().to("cpu", torch.float64), tol.fused_ulp
+        want, limit = exact.detach().to(a.device, torch.float64), tol.fused_ulp
     else:
-        want, limit = rounded.detach().to("cpu", torch.float64), tol.hf_ulp
+        want, limit = rounded.detach().to(a.device, torch.float64), tol.hf_ulp
     if a.shape != want.shape:
         return Agreement(False, f"{name}: shape {tuple(a.shape)} != expected {tuple(want.shape)}", float("inf"))
     # ulps of the larger of the two values: a result that rounds across a power of two (0.9995
