@@ -121,10 +121,10 @@ def check_agreement(rank, world, small, only_impls=None, quick=False):
             print(f"  check_agreement: T={t} shard {q_shard}/{k_shard}", flush=True)
         _, q_width, k_width = full(t, q_shard, k_shard)
         for dtype in (torch.bfloat16,) if small else (torch.float32, torch.bfloat16) if quick else DTYPES:
-            for rounding in ("fused", "hf"):
-                for weight_dtype in (None, torch.float32):
-                    full_inputs = tp.make_full_inputs(t, q_width, k_width, dtype, "cuda", seed=t + q_width,
-                                                      weight_dtype=weight_dtype)
+            for weight_dtype in (None, torch.float32):
+                full_inputs = tp.make_full_inputs(t, q_width, k_width, dtype, "cuda", seed=t + q_width,
+                                                  weight_dtype=weight_dtype)  # drawn once: shard_of copies
+                for rounding in ("fused", "hf"):
                     want = tp.expected(full_inputs, rank, world, 1e-6, 0.0, rounding)
                     for impl in impls:
                         shard = tp.shard_of(full_inputs, rank, world)

@@ -173,8 +173,7 @@ def check_once(impl, full, rank, world, dtype) -> str:
     bad = []
     for name in ("q_shard", "k_shard"):
         exact, rounded = expected[name]
-        r = agreement(f"{impl.name}:{name}", shard[name].cpu(), exact.cpu(), None if rounded is None else rounded.cpu(),
-                      "fused", tp.TOLERANCES[dtype])
+        r = agreement(f"{impl.name}:{name}", shard[name], exact, rounded, "fused", tp.TOLERANCES[dtype])  # on the GPU
         if not r.ok:
             bad.append(r.message)
     everyone = [None] * world
