@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import shlex
@@ -461,6 +462,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-results", action="store_true")
     parser.add_argument("--nproc", type=int, default=None, help="ranks (GPUs) when not already under torchrun")
     parser.add_argument("--impls", default=None, help="comma-separated rows to run (default: all)")
+    parser.add_argument("--dump-after", type=float, default=None,
+                        help="print every rank's Python stack after this many seconds (where a run that hangs waits)")
     parser.add_argument("--command", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tour", action="store_true", help="the CPU tour on gloo ranks (no timing)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -485,6 +488,8 @@ def main(argv=None) -> int:
                    if not a.startswith("--nproc") and not (i > 0 and argv[i - 1] == "--nproc")]
         command = shlex.join(["python", "-m", "cookbook.bench.tp", *argv])
         return launch(args.nproc, [*forward, "--command", args.command or command])
+    if args.dump_after:
+        faulthandler.dump_traceback_later(args.dump_after)
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
