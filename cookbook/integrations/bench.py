@@ -51,6 +51,18 @@ PARITY_BATCH, PARITY_TOKENS = 2, 64
 WARMUP_REPLAYS = 10
 TIMING_BLOCKS, REPLAYS_PER_BLOCK = 5, 40  # per variant: 5 blocks of 40 replays, A/B alternating
 LOW_PERCENTILE, HIGH_PERCENTILE = 20, 80
+# The attention kernels the parity and repeat checks allow: each returns the same bits for the same
+# call. PyTorch's default choice among its SDPA kernels did not on an H200 (the same decode call of
+# Gemma3's and OLMo2's attention, masked, gave outputs up to 0.004 and 1.5e-5 apart), which would
+# fake or hide a difference the patch makes. Timing keeps the default choice.
+REPEATABLE_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def repeatable_attention():
+    """A context in which scaled_dot_product_attention runs only the REPEATABLE_SDPA kernels."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in REPEATABLE_SDPA])
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,7 +249,7 @@ def lm_parity(model, family: str, patch, unpatch, backend: str = "auto") -> dict
     mask[1, : PARITY_TOKENS // 4] = 0  # left padding in the second sequence
     result = {"section": lm_section_parity(model, family, backend)}
     exact_model = copy.deepcopy(model).float()
-    with torch.inference_mode():
+    with torch.inference_mode(), repeatable_attention():
         exact = exact_model(ids, attention_mask=mask).logits
         del exact_model
         unpatched = model(ids, attention_mask=mask).logits
@@ -271,7 +283,7 @@ def flux_parity(model, dims: FluxDims, image_side: int, text_tokens: int, backen
     result = {"section": {"ok": all(c.max_ulp <= fused.PROBE_MAX_ULP for c in comparisons.values()),
                           "detail": "; ".join(f"{n}: {c}" for n, c in comparisons.items())}}
     exact_model = copy.deepcopy(model).float()
-    with torch.inference_mode():
+    with torch.inference_mode(), repeatable_attention():
         exact = exact_model(**{n: t.float() if t.is_floating_point() else t for n, t in inputs.items()}).sample
         del exact_model
         unpatched = model(**inputs).sample
@@ -421,8 +433,9 @@ def time_modules(model, modules: dict, calls: dict, patch, unpatch, backend: str
         call = calls[name]
         row = {"module": name}
         with torch.inference_mode():
-            unpatched_out = first_tensor(call()).clone()
-            again = first_tensor(call())
+            with repeatable_attention():
+                unpatched_out = first_tensor(call()).clone()
+                again = first_tensor(call())
             if not torch.equal(again, unpatched_out):  # timing would not repeat one call: not timed
                 row["not_repeatable"] = (f"two calls with the captured arguments differ (max |difference| "
                                          f"{(again.float() - unpatched_out.float()).abs().max().item():.3g})")
@@ -432,7 +445,8 @@ def time_modules(model, modules: dict, calls: dict, patch, unpatch, backend: str
             timing = {"unpatched_eager": time_ab({"x": call})["x"]}
             patch(model, backend=backend)
             try:
-                row["output_vs_unpatched"] = str(compare(first_tensor(call()), unpatched_out))
+                with repeatable_attention():
+                    row["output_vs_unpatched"] = str(compare(first_tensor(call()), unpatched_out))
                 timing["patched_eager"] = time_ab({"x": call})["x"]
                 patched_graph, why_not_patched = graph_of(call)
                 if unpatched_graph is not None and patched_graph is not None:
@@ -686,7 +700,10 @@ def markdown(report) -> str:
               "Output: "
               "logits (FLUX: the transformer's output) patched and unpatched against the same weights run in "
               "float32; rule: the patched rms error at most 1.1x the model's own. Greedy: "
-              f"{GREEDY_TOKENS} generated tokens, patched and unpatched, the same?", "",
+              f"{GREEDY_TOKENS} generated tokens, patched and unpatched, the same? Attention in these checks (and "
+              "in the timing's repeat check): PyTorch's SDPA limited to its "
+              f"{', '.join(n.lower() for n in REPEATABLE_SDPA)} kernels, which repeat bit for bit (its default "
+              "choice did not, for masked calls on an H200).", "",
               "| model | section | output | greedy same | torch.compile |",
               "|---|---|---|---|---|"]
     for family, result in report["parity"].items():
