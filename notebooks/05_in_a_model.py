@@ -28,6 +28,7 @@
 # (`pip install -e ".[integrations]"`), and its cells say so when it is missing.
 
 # %%
+import json
 import os
 import sys
 from pathlib import Path
@@ -237,3 +238,13 @@ if not results:
     print("not measured yet: run `python -m cookbook.integrations.bench` on a GPU")
 for path in results:
     print(f"{path.relative_to(ROOT)}: {path.read_text().splitlines()[0].lstrip('# ')}")
+    report = json.loads(path.with_suffix(".json").read_text())
+    print(f"  commit {report['meta']['commit']}; speedup = unpatched / patched time per call")
+    for row in report["timing"]:
+        if "patched_graph_median_us" in row:
+            graph = f"{row['unpatched_graph_median_us'] / row['patched_graph_median_us']:.2f}x"
+        else:
+            graph = "not captured"
+        eager = (f"{row['unpatched_eager_median_us'] / row['patched_eager_median_us']:.2f}x"
+                 if "patched_eager_median_us" in row else "not timed")
+        print(f"  {row['family']:7s} {row['size']:10s} {row['module']:24s} graph {graph:>12s}   eager {eager:>9s}")
