@@ -949,3 +949,39 @@ def test_pages_set_the_latest_version_beside_the_published_figures():
     assert bench_tp.published_comparison(_sweep_rows({(latest, 3): 1.0}), dict(world=4, gpu="x", timing_mode="graph")) == ""
     table = bench_tp.table(rows, bench_tp.BACK_TO_BACK)
     assert "rank 0's mean us" in table and "slowest rank's mean us" in table
+
+
+@pytest.mark.parametrize("mode", ["back_to_back", "graph"])
+def test_every_row_of_a_shape_is_timed_in_the_run_s_mode(monkeypatch, mode):
+    """Rank 0 times the second row of a shape as it timed the first (its printout once replaced the
+    timing mode, so rank 0 left the back-to-back path after one row while the other ranks kept it,
+    and their collectives never met). The timing functions and collectives are stand-ins: what is
+    checked is which path each row takes."""
+    from cookbook.bench import tp as bench_tp
+
+    taken = []
+    monkeypatch.setattr(bench_tp, "time_back_to_back", lambda fn, per_set: taken.append("back_to_back") or 2.0)
+    monkeypatch.setattr(bench_tp, "time_per_call", lambda fn, per_set, calls: taken.append("graph") or ([2.0], "graph"))
+    monkeypatch.setattr(bench_tp, "make_sets", lambda shape, dtype, rank, world, count: (None, [(None, None)]))
+    monkeypatch.setattr(bench_tp, "extra_rows", lambda shape, sets, group: [("row_a", print, [()]), ("row_b", print, [()])])
+    monkeypatch.setattr(bench_tp.bench, "rotating_set_count", lambda *args: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: dataclasses.make_dataclass(
+        "Properties", [("total_memory", int, 0)])())
+
+    class OneRank:  # the collectives of a group of one
+        @staticmethod
+        def barrier():
+            pass
+
+        @staticmethod
+        def all_gather_object(everyone, mine):
+            everyone[0] = mine
+
+        @staticmethod
+        def get_world_size():
+            return 1
+
+    monkeypatch.setattr(bench_tp, "dist", OneRank)
+    rows = bench_tp.run_shape((1, 64, 32), torch.bfloat16, 0, 1, None, {"l2_bytes": 0}, ["row_a", "row_b"], mode)
+    assert [r["error"] for r in rows] == ["", ""], rows
+    assert set(taken) == {mode} and len(rows) == 2, taken

@@ -247,9 +247,9 @@ def run_shape(shape, dtype, rank, world, group, meta, only=None, timing=GRAPH) -
                 row.update(slowest_rank(bench.summarize(per_call)), method=method)
         except Exception as error:  # noqa: BLE001 - one failing row must not end the run
             row["error"] = bench.error_text(error)
-        if rank == 0:
-            timing = f"{row['median_us']:.2f} us" if row["median_us"] is not None else row["error"]
-            print(f"{label:44s} {name:28s} {timing}", flush=True)
+        if rank == 0:  # (`shown`, not `timing`: the loop's next row must still see the timing mode)
+            shown = f"{row['median_us']:.2f} us" if row["median_us"] is not None else row["error"]
+            print(f"{label:44s} {name:28s} {shown}", flush=True)
         rows.append(row)
     return rows
 
