@@ -295,15 +295,12 @@ def tp_minimax_table() -> str:
     for t in tokens:
         cells, latest_tp4 = [str(t)], None
         for world, data in pages.items():
-            rows = {r["impl"]: r["median_us"] for r in data["rows"]
-                    if r["shape"] == [t, *bench_tp.MINIMAX_WIDTHS] and r["median_us"] is not None and not r["error"]}
-            versions = {name: us for name, us in rows.items() if name.startswith("cuda_v")}
-            best = min(versions, key=versions.get) if versions else None
-            local = rows.get(bench_tp.LOCAL_SHARD)
-            mine = rows.get(latest)
+            timed = bench_tp.timed_at(data["rows"], t)
+            best = bench_tp.fastest_version(timed)
+            local, mine = timed.get(bench_tp.LOCAL_SHARD), timed.get(latest)
             latest_tp4 = mine if world == 4 else latest_tp4
             cells += [f"{mine:.2f} ({mine / local:.2f}x local)" if mine and local else "-",
-                      f"{best} {versions[best]:.2f}" if best else "-", f"{local:.2f}" if local else "-"]
+                      f"{best[0]} {best[1]:.2f}" if best else "-", f"{local:.2f}" if local else "-"]
         published = bench_tp.PUBLISHED_TP4_H200_US.get(t)
         cells += [f"{published:.1f}" if published else "-",
                   f"{latest_tp4 / published:.2f}x" if published and latest_tp4 else "-"]

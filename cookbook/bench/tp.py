@@ -270,20 +270,31 @@ def table(rows, timing=GRAPH) -> str:
     return bench.markdown_table(["shape", "impl", *head, "x local shard", "timed by", "check"], body)
 
 
+def timed_at(rows, tokens: int) -> dict:
+    """{impl: median us} of the MiniMax-M2 rows at `tokens` that were timed (a row whose check
+    failed has no time)."""
+    shape = [tokens, *MINIMAX_WIDTHS]
+    return {r["impl"]: r["median_us"] for r in rows if r["shape"] == shape and r["median_us"] is not None}
+
+
+def fastest_version(timed: dict):
+    """(name, us) of the fastest CUDA C version in `timed_at`'s answer, or None."""
+    versions = {name: us for name, us in timed.items() if name.startswith("cuda_v")}
+    return min(versions.items(), key=lambda item: item[1], default=None)
+
+
 def published_comparison(rows, meta) -> str:
     """The MiniMax-M2 rows at PUBLISHED_TP4_H200_US's token counts beside those figures, for the
     latest CUDA C version, the fastest CUDA C version of each shape and the local shard."""
     latest = registry.latest(OP, "cuda").name
-    cuda_rows = [r for r in rows if r["impl"].startswith("cuda_v") and r["median_us"] is not None]
     body = []
     for tokens, published in PUBLISHED_TP4_H200_US.items():
-        shape = [tokens, *MINIMAX_WIDTHS]
-        mine = {r["impl"]: r["median_us"] for r in rows if r["shape"] == shape and r["median_us"] is not None}
-        best = min((r for r in cuda_rows if r["shape"] == shape), key=lambda r: r["median_us"], default=None)
+        mine = timed_at(rows, tokens)
+        best = fastest_version(mine)
         if latest not in mine:
             continue
         body.append([str(tokens), f"{published:.1f}", f"{mine[latest]:.2f} ({mine[latest] / published:.2f}x)",
-                     f"{best['impl']} {best['median_us']:.2f}" if best else "-",
+                     f"{best[0]} {best[1]:.2f}" if best else "-",
                      f"{mine[LOCAL_SHARD]:.2f}" if LOCAL_SHARD in mine else "-"])
     if not body:
         return ""
