@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device-tool call on a multi-GPU machine for the collective op tp_qk_norm, in stages, each
-# within its own time budget and all within BUDGET_S (so that the call ends inside the tool's limit):
+# One timed run on a multi-GPU machine for the collective op tp_qk_norm, in stages, each
+# within its own time budget and all within BUDGET_S (so that the run ends inside a caller's time limit):
 #
 #   bash tools/gpu_tp_run.sh [stages]        stages: comma-separated; they run in this order
 #     build      the tp_qk_norm and cross_head_norm extensions, in parallel (into build/, which a
@@ -20,7 +20,7 @@
 #   default: all of them; a stage that no longer fits the budget is skipped (env.txt says so), for
 #   a second call: bash tools/gpu_tp_run.sh <the skipped stages>,propose
 #
-# What comes back in $OUT (the device tool brings back at most 8 files): env.txt (the machine, and
+# What comes back in $OUT (few files, so that a remote run can copy them back): env.txt (the machine, and
 # each stage's limit, exit status and time), propose.log, and results.tgz: the pages ($PAGES), one
 # log per stage (logs/) and the benchmark's JSON (bench_*/).
 set -uo pipefail
