@@ -985,3 +985,14 @@ def test_every_row_of_a_shape_is_timed_in_the_run_s_mode(monkeypatch, mode):
     rows = bench_tp.run_shape((1, 64, 32), torch.bfloat16, 0, 1, None, {"l2_bytes": 0}, ["row_a", "row_b"], mode)
     assert [r["error"] for r in rows] == ["", ""], rows
     assert set(taken) == {mode} and len(rows) == 2, taken
+
+
+def test_bench_shapes_keep_the_asked_token_counts():
+    """`--tokens` keeps those counts of a shape set; with `--shapes minimax` any count gets MiniMax-M2's widths."""
+    from cookbook.bench import tp as bench_tp
+    assert bench_tp.bench_shapes("minimax", "1,256,1024") == [[1, 6144, 1024], [256, 6144, 1024], [1024, 6144, 1024]]
+    assert [sh[0] for sh in bench_tp.bench_shapes("minimax")] == [
+        sh[0] for sh in tp.BENCH_SHAPES if tuple(sh[1:]) == bench_tp.MINIMAX_WIDTHS]
+    decode = bench_tp.bench_shapes("decode", "1,256")
+    assert decode and all(sh[0] == 1 for sh in decode), decode
+    assert bench_tp.bench_shapes("full", "3") == []

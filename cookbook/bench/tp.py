@@ -457,13 +457,30 @@ def propose_dispatch(pages) -> str:
     return "\n".join(lines)
 
 
+def bench_shapes(which: str, tokens: str | None = None) -> list[list[int]]:
+    """The [T, q_hidden, k_hidden] shapes of a run: `--shapes` picks from tp.BENCH_SHAPES and `--tokens`
+    keeps those token counts; with `--shapes minimax` it gives MiniMax-M2's widths at exactly these counts
+    (any count: the token counts between the bench's, where a dispatch threshold falls)."""
+    counts = [int(t) for t in tokens.split(",")] if tokens else None
+    if which == MINIMAX:
+        if counts:
+            return [[t, *MINIMAX_WIDTHS] for t in counts]
+        return [sh for sh in tp.BENCH_SHAPES if tuple(sh[1:]) == MINIMAX_WIDTHS]
+    if which == DECODE:
+        shapes = [sh for sh in tp.BENCH_SHAPES if sh[0] <= DECODE_TOKENS]
+    else:
+        shapes = bench.select_shapes(tp.BENCH_SHAPES, which)
+    return [sh for sh in shapes if counts is None or sh[0] in counts]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cookbook.bench.tp")
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(bench.DTYPES))
     parser.add_argument("--shapes", default="full", choices=(*bench.SHAPE_CHOICES, DECODE, MINIMAX),
                         help=f"quick: first, middle and last shapes; {DECODE}: the shapes of at most {DECODE_TOKENS} "
                              f"tokens; {MINIMAX}: MiniMax-M2's widths at every token count")
-    parser.add_argument("--tokens", default=None, help="only these token counts, comma-separated")
+    parser.add_argument("--tokens", default=None,
+                        help=f"only these token counts, comma-separated (with --shapes {MINIMAX}: any count)")
     parser.add_argument("--timing", default=GRAPH, choices=(GRAPH, BACK_TO_BACK),
                         help=f"{BACK_TO_BACK}: SGLang's benchmark's method (the module docstring)")
     parser.add_argument("--propose-dispatch", nargs="+", default=None, metavar="PAGE.json",
@@ -510,14 +527,7 @@ def main(argv=None) -> int:
     meta = metadata(args.command or "python -m cookbook.bench.tp", dtype, world, args.timing)
     rows = []
     try:
-        if args.shapes == DECODE:
-            shapes = [sh for sh in tp.BENCH_SHAPES if sh[0] <= DECODE_TOKENS]
-        elif args.shapes == MINIMAX:
-            shapes = [sh for sh in tp.BENCH_SHAPES if tuple(sh[1:]) == MINIMAX_WIDTHS]
-        else:
-            shapes = bench.select_shapes(tp.BENCH_SHAPES, args.shapes)
-        if args.tokens:
-            shapes = [sh for sh in shapes if sh[0] in {int(t) for t in args.tokens.split(",")}]
+        shapes = bench_shapes(args.shapes, args.tokens)
         for shape in shapes:  # the page is rewritten after every shape: a run cut short keeps what it measured
             rows += run_shape(shape, dtype, rank, world, group, meta, args.impls.split(",") if args.impls else None,
                               args.timing)
