@@ -1593,16 +1593,16 @@ struct Dispatch {
   bool lagged_prefill;  // above both: v9's lagged walk (true) or v6's tiles
 };
 
-// The rows, from measurements (docs/tp_qk_norm.md, "v12", says which): TP=2 is v10's dispatch as
-// its page of record measured it. TP=4 is what its MiniMax-M2 sweep measured (`python -m
-// cookbook.bench.tp --propose-dispatch` reads a sweep and prints the row): v11's token rows up to
-// 4 tokens per SM, v9's lagged walk above. TP=8 runs the tiles at prefill, the only prefill kernel
-// its page measured. World sizes without a measurement take the row of the next measured size up:
-// their shards are at least as wide.
+// The rows, from measurements (docs/tp_qk_norm.md, "v12", says which; `python -m cookbook.bench.tp
+// --propose-dispatch` reads a sweep and prints the row). TP=2 and TP=4 are what their MiniMax-M2
+// pages measured: v10's held rows at one token per SM at TP=2 (none at TP=4), v11's token rows up
+// to 4 tokens per SM, v9's lagged walk above. TP=8 runs the tiles at prefill, the only prefill
+// kernel its page measured. World sizes without a measurement take the row of the next measured
+// size up: their shards are at least as wide.
 constexpr Dispatch kDispatchByWorld[kMaxRanks + 1] = {
-    {2, 0, true},   // 0: unused
-    {2, 0, true},   // 1: a group of one (the checks run it), as 2
-    {2, 0, true},   // 2: measured
+    {1, 4, true},   // 0: unused
+    {1, 4, true},   // 1: a group of one (the checks run it), as 2
+    {1, 4, true},   // 2: measured
     {0, 4, true},   // 3: as 4
     {0, 4, true},   // 4: measured
     {2, 0, false},  // 5: as 8
