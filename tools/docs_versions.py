@@ -275,7 +275,8 @@ TP_WORLDS = (2, 4)  # the tensor-parallel pages of record the tp_qk_norm page qu
 
 def tp_minimax_table() -> str:
     """tp_qk_norm at MiniMax-M2's widths from the TP pages of record: the latest CUDA C version, the
-    fastest one, the same shard's single-GPU cross_head_norm, and SGLang's published TP=4 figures."""
+    fastest one, the same shard's single-GPU cross_head_norm, and SGLang's published TP=4 figures
+    beside the latest version timed both ways (the graph page's and the back-to-back page's)."""
     from cookbook.bench import tp as bench_tp
 
     op = "tp_qk_norm"
@@ -285,10 +286,13 @@ def tp_minimax_table() -> str:
         path = RESULTS_DIR / f"{op}_{RECORDED_GPU}x{world}.json"
         data = json.loads(path.read_text()) if path.exists() else {"rows": [], "metadata": {}}
         pages[world] = data
+    b2b_path = RESULTS_DIR / f"{op}_{RECORDED_GPU}x4_{bench_tp.BACK_TO_BACK}.json"
+    b2b = json.loads(b2b_path.read_text()) if b2b_path.exists() else {"rows": [], "metadata": {}}
     header = ["tokens"]
     for world in TP_WORLDS:
         header += [f"TP={world}: {latest}", f"TP={world}: fastest version", f"TP={world}: local shard"]
-    header += ["SGLang, TP=4 (published)", f"TP=4 {latest} / published"]
+    header += ["SGLang, TP=4 (published)", f"TP=4 {latest} / published",
+               f"TP=4 {latest}, back to back", "back to back / published"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     tokens = sorted({r["shape"][0] for d in pages.values() for r in d["rows"]
                      if tuple(r["shape"][1:]) == bench_tp.MINIMAX_WIDTHS})
@@ -302,13 +306,18 @@ def tp_minimax_table() -> str:
             cells += [f"{mine:.2f} ({mine / local:.2f}x local)" if mine and local else "-",
                       f"{best[0]} {best[1]:.2f}" if best else "-", f"{local:.2f}" if local else "-"]
         published = bench_tp.PUBLISHED_TP4_H200_US.get(t)
+        back_to_back = bench_tp.timed_at(b2b["rows"], t).get(latest)
         cells += [f"{published:.1f}" if published else "-",
-                  f"{latest_tp4 / published:.2f}x" if published and latest_tp4 else "-"]
+                  f"{latest_tp4 / published:.2f}x" if published and latest_tp4 else "-",
+                  f"{back_to_back:.2f}" if back_to_back else "-",
+                  f"{back_to_back / published:.2f}x" if published and back_to_back else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     when = "; ".join(f"TP={w}: {d['metadata'].get('date', '-')[:10]}, commit {d['metadata'].get('commit', '-')}"
                      for w, d in pages.items())
-    lines += ["", f"(us per call, the slowest rank's median of CUDA-graph replays, bf16; {when}; "
-                  "SGLang's figures are timed back to back, see How the two benchmarks time a call.)"]
+    b2b_when = f"{b2b['metadata'].get('date', '-')[:10]}, commit {b2b['metadata'].get('commit', '-')}"
+    lines += ["", f"(us per call, bf16; the slowest rank's median of CUDA-graph replays ({when}), and back to "
+                  f"back as SGLang's figures are timed: rank 0's mean over {bench_tp.B2B_REPLAYS} x {bench_tp.LAYERS} calls (TP=4: "
+                  f"{b2b_when}); see How the two benchmarks time a call.)"]
     return "\n".join(lines)
 
 
