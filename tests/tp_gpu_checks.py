@@ -159,8 +159,13 @@ def kernels_run(fn):
     return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
-def replay_and_check(label, graph, shards, fulls, rank, world, replays=2):
-    """Restore the shards' inputs, replay `graph` (captured over them), check every shard; twice."""
+def replay_and_check(label, call, shards, fulls, rank, world, replays=2):
+    """Capture `call(shard)` for every shard in one CUDA graph, then restore the shards' inputs, replay
+    it and check every shard; twice."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for sh in shards:
+            call(sh)
     originals = [{n: v.clone() for n, v in sh.items()} for sh in shards]
     for replay in range(replays):
         for sh, o in zip(shards, originals):
@@ -200,11 +205,7 @@ def check_lagged_dispatch(rank, world):
         # Two prefill calls captured in one CUDA graph, replayed twice.
         fulls = [tp.make_full_inputs(*full(t, *TP2_SHARD), torch.bfloat16, "cuda", seed=60 + t) for t in (4000, 4500)]
         shards = [tp.shard_of(f, rank, world) for f in fulls]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for sh in shards:
-                run(impl.fn, sh)
-        replay_and_check(f"{name} graph", graph, shards, fulls, rank, world)
+        replay_and_check(f"{name} graph", lambda sh: run(impl.fn, sh), shards, fulls, rank, world)
 
 
 def check_pipeline_paths(rank, world):
@@ -325,11 +326,7 @@ def check_token_rows_dispatch(rank, world):
         failures.append(f"check_token_rows_dispatch: the cases cover only token rows={seen}")
     fulls = [tp.make_full_inputs(*full(t, *TP2_SHARD), torch.bfloat16, "cuda", seed=120 + t) for t in (3, 4000)]
     shards = [tp.shard_of(f, rank, world) for f in fulls]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for sh in shards:
-            run(impl.fn, sh)
-    replay_and_check("cuda_v11 graph", graph, shards, fulls, rank, world)
+    replay_and_check("cuda_v11 graph", lambda sh: run(impl.fn, sh), shards, fulls, rank, world)
 
 
 def dispatch_table():
@@ -388,11 +385,7 @@ def check_graph(rank, world):
     shards = [tp.shard_of(f, rank, world) for f in fulls]
     cookbook.tp_qk_norm(**tp.shard_of(fulls[0], rank, world), backend="cuda")  # workspace and build before capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for s in shards:
-            cookbook.tp_qk_norm(**s, backend="cuda")
-    replay_and_check("graph", graph, shards, fulls, rank, world)
+    replay_and_check("graph", lambda sh: cookbook.tp_qk_norm(**sh, backend="cuda"), shards, fulls, rank, world)
 
 
 def check_zero_rows(rank, world):

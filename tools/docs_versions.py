@@ -281,13 +281,13 @@ def tp_minimax_table() -> str:
 
     op = "tp_qk_norm"
     latest = registry.latest(op, "cuda").name
-    pages = {}
-    for world in TP_WORLDS:
-        path = RESULTS_DIR / f"{op}_{RECORDED_GPU}x{world}.json"
-        data = json.loads(path.read_text()) if path.exists() else {"rows": [], "metadata": {}}
-        pages[world] = data
-    b2b_path = RESULTS_DIR / f"{op}_{RECORDED_GPU}x4_{bench_tp.BACK_TO_BACK}.json"
-    b2b = json.loads(b2b_path.read_text()) if b2b_path.exists() else {"rows": [], "metadata": {}}
+
+    def load(world, timing=bench_tp.GRAPH):
+        path = RESULTS_DIR / f"{bench_tp.page_stem(RECORDED_GPU, world, timing)}.json"
+        return json.loads(path.read_text()) if path.exists() else {"rows": [], "metadata": {}}
+
+    pages = {world: load(world) for world in TP_WORLDS}
+    b2b = load(4, bench_tp.BACK_TO_BACK)
     header = ["tokens"]
     for world in TP_WORLDS:
         header += [f"TP={world}: {latest}", f"TP={world}: fastest version", f"TP={world}: local shard"]

@@ -308,6 +308,11 @@ def published_comparison(rows, meta) -> str:
                               "local shard us"], body), ""])
 
 
+def page_stem(gpu_slug: str, world: int, timing: str = GRAPH) -> str:
+    """The name of a results page without its suffix: `<op>_<gpu>x<tp>[_back_to_back]`."""
+    return f"{OP}_{gpu_slug}x{world}" + (f"_{BACK_TO_BACK}" if timing == BACK_TO_BACK else "")
+
+
 def write_results(rows, meta, out: Path, results_dir: Path | None, quiet: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{OP}_results.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
@@ -318,7 +323,7 @@ def write_results(rows, meta, out: Path, results_dir: Path | None, quiet: bool =
     if results_dir is None:
         return
     results_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{OP}_{meta['gpu_slug']}x{meta['world']}" + ("_back_to_back" if meta["timing_mode"] == BACK_TO_BACK else "")
+    stem = page_stem(meta["gpu_slug"], meta["world"], meta["timing_mode"])
     page = [
         f"# {OP} on {meta['world']} x {meta['gpu']} ({meta['dtype']}, TP={meta['world']})",
         "",
