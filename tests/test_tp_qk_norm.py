@@ -990,9 +990,20 @@ def test_every_row_of_a_shape_is_timed_in_the_run_s_mode(monkeypatch, mode):
 def test_bench_shapes_keep_the_asked_token_counts():
     """`--tokens` keeps those counts of a shape set; with `--shapes minimax` any count gets MiniMax-M2's widths."""
     from cookbook.bench import tp as bench_tp
-    assert bench_tp.bench_shapes("minimax", "1,256,1024") == [[1, 6144, 1024], [256, 6144, 1024], [1024, 6144, 1024]]
+    assert bench_tp.bench_shapes("minimax", [1, 256, 1024]) == [[1, 6144, 1024], [256, 6144, 1024], [1024, 6144, 1024]]
     assert [sh[0] for sh in bench_tp.bench_shapes("minimax")] == [
         sh[0] for sh in tp.BENCH_SHAPES if tuple(sh[1:]) == bench_tp.MINIMAX_WIDTHS]
-    decode = bench_tp.bench_shapes("decode", "1,256")
+    decode = bench_tp.bench_shapes("decode", [1, 256])
     assert decode and all(sh[0] == 1 for sh in decode), decode
-    assert bench_tp.bench_shapes("full", "3") == []
+    assert bench_tp.bench_shapes("full", [3]) == []
+
+
+@pytest.mark.parametrize("tokens", ["", "1,x", "0", "128,-4", "1,,2"])
+def test_bench_tokens_that_are_not_positive_counts_are_refused(tokens, capsys):
+    """`--tokens` names itself, what it got and what it expects, before any process starts."""
+    from cookbook.bench import tp as bench_tp
+    with pytest.raises(SystemExit) as exit_info:
+        bench_tp.main(["--shapes", "minimax", "--tokens", tokens])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tokens" in err and "positive integers" in err and repr(tokens) in err, err

@@ -462,11 +462,21 @@ def propose_dispatch(pages) -> str:
     return "\n".join(lines)
 
 
-def bench_shapes(which: str, tokens: str | None = None) -> list[list[int]]:
+def token_counts(text: str) -> list[int]:
+    """`--tokens`: comma-separated token counts, each a positive integer."""
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers (e.g. 1,128,2048), got {text!r}")
+    return counts
+
+
+def bench_shapes(which: str, counts: list[int] | None = None) -> list[list[int]]:
     """The [T, q_hidden, k_hidden] shapes of a run: `--shapes` picks from tp.BENCH_SHAPES and `--tokens`
     keeps those token counts; with `--shapes minimax` it gives MiniMax-M2's widths at exactly these counts
     (any count: the token counts between the bench's, where a dispatch threshold falls)."""
-    counts = [int(t) for t in tokens.split(",")] if tokens else None
     if which == MINIMAX:
         if counts:
             return [[t, *MINIMAX_WIDTHS] for t in counts]
@@ -484,7 +494,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="full", choices=(*bench.SHAPE_CHOICES, DECODE, MINIMAX),
                         help=f"quick: first, middle and last shapes; {DECODE}: the shapes of at most {DECODE_TOKENS} "
                              f"tokens; {MINIMAX}: MiniMax-M2's widths at every token count")
-    parser.add_argument("--tokens", default=None,
+    parser.add_argument("--tokens", default=None, type=token_counts,
                         help=f"only these token counts, comma-separated (with --shapes {MINIMAX}: any count)")
     parser.add_argument("--timing", default=GRAPH, choices=(GRAPH, BACK_TO_BACK),
                         help=f"{BACK_TO_BACK}: SGLang's benchmark's method (the module docstring)")
