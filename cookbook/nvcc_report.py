@@ -33,6 +33,7 @@ NVCC_FLAGS = ["-std=c++20", "-O3", "--expt-relaxed-constexpr"]
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+_SHARED = re.compile(r"(\d+) bytes smem")
 
 # The compiles run on a worker thread during the test session (tests/nvcc_jobs.py) while the
 # main thread may set and unset environment variables (monkeypatch, the gloo pool). A child
@@ -54,6 +55,7 @@ class KernelResources:
     registers: int
     spill_bytes: int
     mangled: str = ""  # the same on every machine, whatever demangler it has
+    shared_bytes: int = 0  # static shared memory per block
 
 
 def nvcc() -> str | None:
@@ -229,7 +231,7 @@ def compile_extension_binding(name: str) -> None:
 
 
 def parse_ptxas(log: str) -> list[KernelResources]:
-    mangled, regs, spills = [], {}, {}
+    mangled, regs, spills, shared = [], {}, {}, {}
     current = None
     for line in log.splitlines():
         if m := _ENTRY.search(line):
@@ -239,8 +241,11 @@ def parse_ptxas(log: str) -> list[KernelResources]:
             spills[current] = int(m.group(1)) + int(m.group(2))
         elif current and (m := _REGS.search(line)):
             regs[current] = int(m.group(1))
+            if s := _SHARED.search(line):
+                shared[current] = int(s.group(1))
     names = _demangle(mangled)
-    return [KernelResources(name, regs.get(raw, -1), spills.get(raw, 0), raw) for name, raw in zip(names, mangled)]
+    return [KernelResources(name, regs.get(raw, -1), spills.get(raw, 0), raw, shared.get(raw, 0))
+            for name, raw in zip(names, mangled)]
 
 
 def main(argv=None) -> int:

@@ -48,22 +48,36 @@ class Extension:
     def namespace(self) -> str:
         return f"cookbook::{self.op}::{self.stem}"
 
+    @property
+    def explains(self) -> bool:
+        """Whether the extension also registers ``cookbook::<name>_explain`` (the tuned kernel's
+        host policy, asked on the GPU by `cookbook.explain`)."""
+        return self.stem == "tuned"
+
     def kernel_units(self) -> dict[str, str]:
-        """{file name: source} of the nvcc units: one launcher each."""
+        """{file name: source} of the nvcc units: one launcher each (and, for the tuned kernel, the
+        explain function of the same dtype and rounding)."""
         units = {}
         for dtype in DTYPES:
             for rounding in ROUNDINGS:
                 name = f"{dtype[1:].lower()}_{rounding[1:].lower()}.cu"
+                args = f"<cookbook::DType::{dtype}, cookbook::Rounding::{rounding}>"
                 units[name] = (
                     f'#include "{self.kernel}"\n'
-                    f"template cudaError_t {self.namespace}::launch<cookbook::DType::{dtype}, cookbook::Rounding::{rounding}>(\n"
+                    f"template cudaError_t {self.namespace}::launch{args}(\n"
                     f"    const cookbook::{self.op}::Params&, cudaStream_t);\n"
                 )
+                if self.explains:
+                    units[name] += f"template std::string {self.namespace}::explain{args}(const cookbook::{self.op}::Params&);\n"
         return units
 
     def binding_unit(self) -> str:
-        """The source of the host unit: the op's glue, registering ``cookbook::<name>``."""
-        return f'#include "{self.op}/binding.h"\nCOOKBOOK_{self.op.upper()}_EXTENSION({self.name}, {self.namespace})\n'
+        """The source of the host unit: the op's glue, registering ``cookbook::<name>`` (and
+        ``cookbook::<name>_explain`` for the tuned kernel)."""
+        unit = f'#include "{self.op}/binding.h"\nCOOKBOOK_{self.op.upper()}_EXTENSION({self.name}, {self.namespace})\n'
+        if self.explains:
+            unit += f"COOKBOOK_{self.op.upper()}_EXPLAIN({self.name}, {self.namespace})\n"
+        return unit
 
     def dependencies(self) -> list[Path]:
         """Every source file the extension's units include, directly or not (its build key)."""

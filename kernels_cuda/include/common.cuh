@@ -11,12 +11,11 @@
 #include <type_traits>
 
 #include "include/dtype.h"
+#include "include/plan.h"  // kWarpSize, kVecBytes: shared with the host policies
 
 namespace cookbook {
 
-constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kVecBytes = 16;  // widest plain load/store per thread (LDG.128 / STG.128)
 
 
 // The storage type of each activation dtype: Storage<DType::kBFloat16> is __nv_bfloat16.

@@ -8,7 +8,9 @@
 //   #include "qk_norm/binding.h"
 //   COOKBOOK_QK_NORM_EXTENSION(qk_norm_v3, cookbook::qk_norm::v3)
 // which registers the op cookbook::qk_norm_v3(q, k, q_weight, k_weight, eps, weight_offset,
-// hf_rounding) -> () and runs the kernels of namespace cookbook::qk_norm::v3.
+// hf_rounding) -> () and runs the kernels of namespace cookbook::qk_norm::v3. The tuned kernel's
+// unit has a third line, COOKBOOK_QK_NORM_EXPLAIN(qk_norm_tuned, cookbook::qk_norm::tuned), which
+// registers cookbook::qk_norm_tuned_explain: the same arguments, the policy's plan returned.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,6 +18,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
+
+#include <string>
 
 #include "qk_norm/params.h"
 
@@ -25,6 +29,10 @@ namespace cookbook::qk_norm {
 constexpr const char* kSchema =
     "(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, float eps, float weight_offset, "
     "bool hf_rounding) -> ()";
+
+// The tuned extension's explain op: the same arguments, nothing written, the plan returned.
+constexpr const char* kExplainSchema =
+    "(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, float weight_offset, bool hf_rounding) -> str";
 
 constexpr int kNumDTypes = 3;
 constexpr int kNumRoundings = 2;
@@ -54,10 +62,9 @@ inline void check_weight(const char* name, const at::Tensor& w, const at::Tensor
               x.scalar_type(), " or float32, got ", w.scalar_type());
 }
 
-// The op: checks, Params, and the launcher of the call's dtype and rounding.
-template <const Launchers& kLaunchers>
-void run(at::Tensor q, at::Tensor k, const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
-         double weight_offset, bool hf_rounding) {
+// The checks, and Params from the tensors.
+inline Params params_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                        double eps, double weight_offset, bool hf_rounding) {
   check_rows("q", q);
   check_rows("k", k);
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && k.device() == q.device(), "k: expected the dtype and device of q");
@@ -66,8 +73,6 @@ void run(at::Tensor q, at::Tensor k, const at::Tensor& q_weight, const at::Tenso
   check_weight("q_weight", q_weight, q);
   check_weight("k_weight", k_weight, k);
   TORCH_CHECK(q_weight.scalar_type() == k_weight.scalar_type(), "k_weight: expected the dtype of q_weight");
-
-  const c10::cuda::CUDAGuard guard(q.device());
   Params p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -86,9 +91,31 @@ void run(at::Tensor q, at::Tensor k, const at::Tensor& q_weight, const at::Tenso
   p.k_head_stride = k.stride(1);
   p.eps = static_cast<float>(eps);
   p.weight_offset = static_cast<float>(weight_offset);
+  return p;
+}
+
+// The op: checks, Params, and the launcher of the call's dtype and rounding.
+template <const Launchers& kLaunchers>
+void run(at::Tensor q, at::Tensor k, const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
+         double weight_offset, bool hf_rounding) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Params p = params_of(q, k, q_weight, k_weight, eps, weight_offset, hf_rounding);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device());
   const cudaError_t error = kLaunchers[static_cast<int>(p.dtype)][static_cast<int>(p.rounding)](p, stream);
   TORCH_CHECK(error == cudaSuccess, "qk_norm: kernel launch failed: ", cudaGetErrorString(error));
+}
+
+// The tuned kernel's explain op: what `run` would launch for these tensors on their GPU, as the
+// host policy's key=value lines (policy.h), without launching anything.
+using Explainer = std::string (*)(const Params&);
+using Explainers = Explainer[kNumDTypes][kNumRoundings];
+
+template <const Explainers& kExplainers>
+std::string explain(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                    double eps, double weight_offset, bool hf_rounding) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Params p = params_of(q, k, q_weight, k_weight, eps, weight_offset, hf_rounding);
+  return kExplainers[static_cast<int>(p.dtype)][static_cast<int>(p.rounding)](p);
 }
 
 }  // namespace cookbook::qk_norm
@@ -109,3 +136,22 @@ void run(at::Tensor q, at::Tensor k, const at::Tensor& q_weight, const at::Tenso
   }                                                                                                              \
   TORCH_LIBRARY_FRAGMENT(cookbook, m) { m.def((std::string(#NAME) + ::cookbook::qk_norm::kSchema).c_str()); }     \
   TORCH_LIBRARY_IMPL(cookbook, CUDA, m) { m.impl(#NAME, &::cookbook::qk_norm::run<NS::kLaunchers>); }
+
+// The tuned extension's second op, cookbook::NAME_explain(q, k, q_weight, k_weight, eps,
+// weight_offset, hf_rounding) -> str: NS::explain of the call's dtype and rounding.
+#define COOKBOOK_QK_NORM_EXPLAIN(NAME, NS)                                                                       \
+  namespace NS {                                                                                                 \
+  template <::cookbook::DType kDType, ::cookbook::Rounding kRounding>                                            \
+  std::string explain(const ::cookbook::qk_norm::Params& p);                                                    \
+  constexpr ::cookbook::qk_norm::Explainers kExplainers = {                                                      \
+      {&explain<::cookbook::DType::kFloat32, ::cookbook::Rounding::kFused>,                                      \
+       &explain<::cookbook::DType::kFloat32, ::cookbook::Rounding::kHf>},                                        \
+      {&explain<::cookbook::DType::kFloat16, ::cookbook::Rounding::kFused>,                                      \
+       &explain<::cookbook::DType::kFloat16, ::cookbook::Rounding::kHf>},                                        \
+      {&explain<::cookbook::DType::kBFloat16, ::cookbook::Rounding::kFused>,                                     \
+       &explain<::cookbook::DType::kBFloat16, ::cookbook::Rounding::kHf>}};                                      \
+  }                                                                                                              \
+  TORCH_LIBRARY_FRAGMENT(cookbook, m) {                                                                          \
+    m.def((std::string(#NAME) + "_explain" + ::cookbook::qk_norm::kExplainSchema).c_str());                     \
+  }                                                                                                              \
+  TORCH_LIBRARY_IMPL(cookbook, CUDA, m) { m.impl(#NAME "_explain", &::cookbook::qk_norm::explain<NS::kExplainers>); }

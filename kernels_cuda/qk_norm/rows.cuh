@@ -4,6 +4,7 @@
 #pragma once
 
 #include "include/common.cuh"
+#include "qk_norm/lanes.h"
 #include "qk_norm/params.h"
 
 namespace cookbook::qk_norm {
@@ -26,23 +27,16 @@ __device__ __forceinline__ Row<T> row_at(const Params& p, int64_t token, int hea
   return {static_cast<T*>(p.k) + token * p.k_token_stride + kv_head * p.k_head_stride, p.k_weight, false};
 }
 
-constexpr int next_power_of_two(int n) { return n <= 1 ? 1 : 2 * next_power_of_two((n + 1) / 2); }
-constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
 // A lane group: the kLanes lanes of a warp that share one row of kHeadDim elements of T, each
-// holding kVecsPerLane 16-byte vectors of it in registers.
-//   kMinVecsPerLane: the fewest vectors a lane holds. 1 gives a row as many lanes as it has
-//     vectors (16 at head_dim 128 in bf16), 2 half as many, each doing twice the work.
-//   kPadded: a row of a whole number of vectors that is not a power of two (96 bf16 elements: 12)
-//     gets the next power of two of lanes (16), and the lanes past its last vector hold none.
+// holding kVecsPerLane 16-byte vectors of it in registers (the arithmetic: lane_shape, lanes.h).
 template <typename T, int kHeadDim, int kMinVecsPerLane = 1>
 struct LaneGroup {
   static constexpr int kVecElems = Vec<T>::kElems;  // 4 fp32, 8 fp16/bf16
-  static constexpr int kVecsPerRow = kHeadDim / kVecElems;
-  static constexpr int kLanesWanted = next_power_of_two(kVecsPerRow) / kMinVecsPerLane;
-  static constexpr int kLanes = kLanesWanted < 1 ? 1 : kLanesWanted < kWarpSize ? kLanesWanted : kWarpSize;
-  static constexpr int kVecsPerLane = ceil_div(kVecsPerRow, kLanes);
-  static constexpr bool kPadded = kVecsPerRow % kLanes != 0;
+  static constexpr LaneShape kShape = lane_shape(kVecElems, kHeadDim, kMinVecsPerLane);
+  static constexpr int kVecsPerRow = kShape.vecs_per_row;
+  static constexpr int kLanes = kShape.lanes;
+  static constexpr int kVecsPerLane = kShape.vecs_per_lane;
+  static constexpr bool kPadded = kShape.padded;
 
   static_assert(kHeadDim % kVecElems == 0, "a row is a whole number of 16-byte vectors");
   static_assert(kWarpSize % kLanes == 0, "groups tile a warp, so a group's shuffles never span two warps");

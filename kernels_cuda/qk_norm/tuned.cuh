@@ -9,31 +9,22 @@
 //     computed once per launch on the host: every lane of a row's group repeats that division;
 //   * heads of a whole number of vectors that is not a power of two (80, 96, 160, 192) on the
 //     vector path, in padded lane groups (LaneGroup::kPadded), instead of rung 2's warp per row.
-// and two choices that depend on the call's size, made by `choose_policy` on the host:
-//   * vectors per lane: 1 in calls smaller than one wave of one-vector blocks (the lanes' serial
-//     work is the time there), 2 from a wave up (rung 6's trade);
-//   * warm ahead: in calls of more than one and at most kMaxWarmWaves waves of blocks, each lane
-//     group warms into L2 the row one wave ahead of its own once its own loads are issued, so the
-//     block that takes that row finds it in L2; at many waves the blocks in flight alone keep
-//     DRAM busy, and a second request per line costs more than it saves.
-// docs/qk_norm.md gives the measurements behind each of these (docs/results/ has the pages).
+// The choices that depend on the call (vectors per lane, warming the next wave, the weights'
+// loads, the path) are made on the host by `plan` in policy.h, which `cookbook explain` runs too.
 //
 // grid.x: ceil(rows / kRowsPerBlock); lane group -> row, as in rungs 4-6. Rows are 32-bit in the
 // kernel: a call of more rows is launched in token ranges of fewer than 2^32 rows each.
 #pragma once
 
+#include <string>
+
+#include "qk_norm/policy.h"
 #include "qk_norm/rows.cuh"
 #include "qk_norm/v2_warp_per_row.cuh"  // rows off the vector path
 
 namespace cookbook::qk_norm::tuned {
 
-constexpr int kThreadsPerBlock = 256;
-constexpr int kNumWeights = 2;  // q's and k's
-static_assert(kThreadsPerBlock % kWarpSize == 0, "whole warps per block");
-
-// The policy's choices, as the kernel's template arguments take them.
-enum class Warm : int { kWeights, kWeightsAndNextWave };  // what the kernel warms into L2
-enum class WeightLoad : int { kPerElement, kPerVector };   // kPerVector: both weights 16-byte aligned
+static_assert(v2::kWarpsPerBlock == kWarpPerRowWarps, "the policy describes rung 2's block as it is");
 
 template <typename T, Rounding kRounding, int kHeadDim, int kVecsPerLane, Warm kWarm, WeightLoad kWeightLoad>
 __global__ void __launch_bounds__(kThreadsPerBlock)
@@ -106,88 +97,89 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   }
 }
 
-// ---- the policy (host) --------------------------------------------------------------------------
-// Sizes are in waves: the rows one wave of a kernel's blocks covers (its blocks resident at once
-// on this GPU, times its rows per block).
-constexpr int64_t kTwoVectorsFromWaves = 1;  // of one-vector blocks
-constexpr int64_t kMaxWarmWaves = 8;
-static_assert(kMaxWarmWaves >= 2, "warming a wave ahead needs a second wave");
-
-// What the policy picks for one call.
-struct Policy {
-  int vecs_per_lane;     // the fewest 16-byte vectors a lane holds (LaneGroup's kMinVecsPerLane)
-  bool warm_next_wave;   // each lane group warms into L2 the row one wave of blocks ahead
-  uint32_t rows_ahead;   // with warm_next_wave: the rows of one wave of blocks
-  bool weight_vectors;   // both weights 16-byte aligned: one load per vector, not per element
-};
-
-// The choices for a call of `rows` rows, given the rows of one wave of one-vector blocks and of
-// two-vector blocks, and whether both weights are 16-byte aligned.
-inline Policy choose_policy(int64_t rows, int64_t one_vector_wave, int64_t two_vector_wave, bool weight_vectors) {
-  Policy policy{};
-  policy.vecs_per_lane = rows >= kTwoVectorsFromWaves * one_vector_wave ? 2 : 1;
-  const int64_t wave = policy.vecs_per_lane == 2 ? two_vector_wave : one_vector_wave;
-  policy.warm_next_wave = rows > wave && rows <= kMaxWarmWaves * wave;
-  policy.rows_ahead = policy.warm_next_wave ? static_cast<uint32_t>(wave) : 0;
-  policy.weight_vectors = weight_vectors;
-  return policy;
+// ---- the launcher (host) ---------------------------------------------------------------------
+// What the policy reads of a call: Params and the pointers' alignment.
+template <typename T>
+inline Call call_of(const Params& p, DType dtype, Rounding rounding) {
+  return {dtype, rounding, p.num_tokens, p.num_q_heads, p.num_kv_heads, p.head_dim, rows_are_vectors<T>(p),
+          is_aligned(p.q_weight, kVecBytes) && is_aligned(p.k_weight, kVecBytes)};
 }
 
-// The rows one wave of blocks of kernel covers: blocks resident at once (all SMs) x rows per block.
-template <auto kKernel, int kRowsPerBlock>
-inline int64_t wave_rows() {
-  return static_cast<int64_t>(persistent_grid_limit<kKernel>(kThreadsPerBlock)) * kRowsPerBlock;
-}
-
-// Calls launch.template operator()<kWarm, kWeightLoad>() for the policy's choices.
-template <typename Launch>
-inline void with_choices(const Policy& policy, Launch&& launch) {
-  if (policy.warm_next_wave) {
-    if (policy.weight_vectors) {
-      launch.template operator()<Warm::kWeightsAndNextWave, WeightLoad::kPerVector>();
+// Calls launch.template operator()<kHeadDim, kVecsPerLane, kWarm, kWeightLoad>() for the tuned
+// kernel `kernel` names (one of the compiled head_dims); returns whether it was one.
+template <typename T, typename Launch>
+inline bool with_kernel(const Kernel& kernel, Launch&& launch) {
+  return with_head_dim<64, 128, 256, 512, 1024, 80, 96, 160, 192>(kernel.head_dim, [&]<int kHeadDim>() {
+    const auto with_load = [&]<int kVecs, Warm kWarm>() {
+      if (kernel.weight_load == WeightLoad::kPerVector) {
+        launch.template operator()<kHeadDim, kVecs, kWarm, WeightLoad::kPerVector>();
+      } else {
+        launch.template operator()<kHeadDim, kVecs, kWarm, WeightLoad::kPerElement>();
+      }
+    };
+    const auto with_warm = [&]<int kVecs>() {
+      if (kernel.warm == Warm::kWeightsAndNextWave) {
+        with_load.template operator()<kVecs, Warm::kWeightsAndNextWave>();
+      } else {
+        with_load.template operator()<kVecs, Warm::kWeights>();
+      }
+    };
+    // At heads of two or more vectors per lane of a whole warp the two shapes are one kernel,
+    // compiled once (the policy never asks for the second).
+    constexpr bool kTwoDiffers = LaneGroup<T, kHeadDim, 2>::kLanes != LaneGroup<T, kHeadDim, 1>::kLanes;
+    if (kTwoDiffers && kernel.vecs_per_lane == 2) {
+      with_warm.template operator()<kTwoDiffers ? 2 : 1>();
     } else {
-      launch.template operator()<Warm::kWeightsAndNextWave, WeightLoad::kPerElement>();
+      with_warm.template operator()<1>();
     }
-  } else if (policy.weight_vectors) {
-    launch.template operator()<Warm::kWeights, WeightLoad::kPerVector>();
-  } else {
-    launch.template operator()<Warm::kWeights, WeightLoad::kPerElement>();
-  }
+  });
 }
 
-template <typename T, Rounding kRounding, int kHeadDim>
-inline void launch_vectors(const Params& p, uint32_t rows, cudaStream_t stream) {
-  using One = LaneGroup<T, kHeadDim, 1>;
-  using Two = LaneGroup<T, kHeadDim, 2>;
-  // At heads of two or more vectors per lane of a whole warp (512 bf16 elements and up) the two
-  // shapes are the same kernel: only the one-vector one is compiled.
-  constexpr bool kTwoDiffers = Two::kLanes != One::kLanes;
-  constexpr int kOneRows = kThreadsPerBlock / One::kLanes, kTwoRows = kThreadsPerBlock / Two::kLanes;
-  constexpr auto kOneKernel = qk_norm_tuned_kernel<T, kRounding, kHeadDim, 1, Warm::kWeightsAndNextWave, WeightLoad::kPerVector>;
-  constexpr auto kTwoKernel = qk_norm_tuned_kernel<T, kRounding, kHeadDim, 2, Warm::kWeightsAndNextWave, WeightLoad::kPerVector>;
-  const int64_t one_wave = wave_rows<kOneKernel, kOneRows>();
-  const int64_t two_wave = kTwoDiffers ? wave_rows<kTwoKernel, kTwoRows>() : one_wave;
-  const bool weight_vectors = is_aligned(p.q_weight, kVecBytes) && is_aligned(p.k_weight, kVecBytes);
-  const Policy policy = choose_policy(rows, one_wave, two_wave, weight_vectors);
+// The current GPU's SMs, cached per device (the attribute query is not free on a hot path).
+inline int multiprocessors() {
+  static int cached[kMaxDevices] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < kMaxDevices && cached[device] > 0) return cached[device];
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (device < kMaxDevices) cached[device] = sms;
+  return sms;
+}
+
+// Resident blocks per SM of the tuned kernel `kernel` names, on the current GPU (cached per kernel
+// and device by persistent_grid_limit).
+template <typename T, Rounding kRounding>
+inline int blocks_per_sm(const Kernel& kernel) {
+  int limit = 0;
+  with_kernel<T>(kernel, [&]<int kHeadDim, int kVecs, Warm kWarm, WeightLoad kWeightLoad>() {
+    limit = persistent_grid_limit<qk_norm_tuned_kernel<T, kRounding, kHeadDim, kVecs, kWarm, kWeightLoad>>(kernel.block);
+  });
+  const int sms = multiprocessors();
+  return sms > 0 ? limit / sms : 0;
+}
+
+template <DType kDType, Rounding kRounding>
+inline Plan plan_of(const Params& p) {
+  using T = Storage<kDType>;
+  return plan(call_of<T>(p, kDType, kRounding), multiprocessors(),
+              [](const Kernel& kernel) { return blocks_per_sm<T, kRounding>(kernel); });
+}
+
+// Launches what `plan` says for the rows of `p` (one token range).
+template <typename T, Rounding kRounding>
+inline void launch_plan(const Plan& plan, const Params& p, cudaStream_t stream) {
+  if (plan.kernel.name == KernelName::kWarpPerRow) return v2::launch_rows<T, kRounding>(p, plan.rows, stream);
   const FastDivisor heads_divisor(static_cast<uint32_t>(p.num_q_heads + p.num_kv_heads));
-  auto launch_with = [&]<int kVecsPerLane>() {
-    constexpr int kRowsPerBlock = kThreadsPerBlock / LaneGroup<T, kHeadDim, kVecsPerLane>::kLanes;
-    const auto blocks = static_cast<unsigned>((int64_t{rows} + kRowsPerBlock - 1) / kRowsPerBlock);
-    with_choices(policy, [&]<Warm kWarm, WeightLoad kWeightLoad>() {
-      launch_kernel(/*programmatic=*/true, qk_norm_tuned_kernel<T, kRounding, kHeadDim, kVecsPerLane, kWarm, kWeightLoad>,
-                    dim3(blocks), dim3(kThreadsPerBlock), 0, stream, p, rows, heads_divisor, policy.rows_ahead);
-    });
-  };
-  if constexpr (kTwoDiffers) {
-    if (policy.vecs_per_lane == 2) return launch_with.template operator()<2>();
-  }
-  launch_with.template operator()<1>();
+  with_kernel<T>(plan.kernel, [&]<int kHeadDim, int kVecs, Warm kWarm, WeightLoad kWeightLoad>() {
+    launch_kernel(plan.programmatic, qk_norm_tuned_kernel<T, kRounding, kHeadDim, kVecs, kWarm, kWeightLoad>,
+                  dim3(static_cast<unsigned>(plan.grid)), dim3(plan.block), 0, stream, p,
+                  static_cast<uint32_t>(plan.rows), heads_divisor, plan.rows_ahead);
+  });
 }
 
-// Calls launch_range(range, rows) on consecutive token ranges of `p` of at most kMaxRows rows each
-// (q and k advanced to each range's first token): one range for any call that fits in memory.
-constexpr int64_t kMaxRows = UINT32_MAX;
-
+// Calls launch_range(range) on consecutive token ranges of `p` of at most kMaxRows rows each (q and
+// k advanced to each range's first token): one range for any call that fits in memory.
 template <typename T, typename LaunchRange>
 inline void for_each_token_range(const Params& p, LaunchRange&& launch_range) {
   const int64_t heads = p.num_q_heads + p.num_kv_heads;
@@ -197,7 +189,7 @@ inline void for_each_token_range(const Params& p, LaunchRange&& launch_range) {
     range.num_tokens = p.num_tokens - first < tokens_per_range ? p.num_tokens - first : tokens_per_range;
     range.q = static_cast<T*>(p.q) + first * p.q_token_stride;
     range.k = static_cast<T*>(p.k) + first * p.k_token_stride;
-    launch_range(range, total_rows(range));
+    launch_range(range);
   }
 }
 
@@ -205,14 +197,28 @@ template <DType kDType, Rounding kRounding>
 cudaError_t launch(const Params& p, cudaStream_t stream) {
   using T = Storage<kDType>;
   if (total_rows(p) == 0) return cudaSuccess;
-  for_each_token_range<T>(p, [&](const Params& range, int64_t rows) {
-    const bool on_vectors = rows_are_vectors<T>(range) &&
-                            with_head_dim<64, 128, 256, 512, 1024, 80, 96, 160, 192>(range.head_dim, [&]<int kHeadDim>() {
-                              launch_vectors<T, kRounding, kHeadDim>(range, static_cast<uint32_t>(rows), stream);
-                            });
-    if (!on_vectors) v2::launch_rows<T, kRounding>(range, rows, stream);
-  });
+  for_each_token_range<T>(p, [&](const Params& range) { launch_plan<T, kRounding>(plan_of<kDType, kRounding>(range), range, stream); });
   return cudaGetLastError();
+}
+
+// What `launch` would run for `p` on the current GPU (the first token range), as key=value lines,
+// with each kernel's registers as the driver reports them: `cookbook explain` on a GPU.
+template <DType kDType, Rounding kRounding>
+std::string explain(const Params& p) {
+  using T = Storage<kDType>;
+  const Plan chosen = plan_of<kDType, kRounding>(p);
+  std::string text = describe(chosen);
+  cudaFuncAttributes attributes{};
+  bool found = false;
+  if (chosen.kernel.name == KernelName::kWarpPerRow) {
+    found = cudaFuncGetAttributes(&attributes, v2::qk_norm_v2_kernel<T, kRounding>) == cudaSuccess;
+  } else {
+    with_kernel<T>(chosen.kernel, [&]<int kHeadDim, int kVecs, Warm kWarm, WeightLoad kWeightLoad>() {
+      found = cudaFuncGetAttributes(&attributes, qk_norm_tuned_kernel<T, kRounding, kHeadDim, kVecs, kWarm, kWeightLoad>) == cudaSuccess;
+    });
+  }
+  if (found && chosen.rows > 0) text += Description{}.add("registers", attributes.numRegs).text;
+  return text;
 }
 
 }  // namespace cookbook::qk_norm::tuned
