@@ -9,10 +9,12 @@ The ops (each in place on q and k, each with ``backend="auto" | "cuda" | "numba"
 
 Each exists as a PyTorch reference, Numba CUDA kernels and CUDA C kernels (a teaching ladder and a
 tuned kernel); `cookbook.registry` lists them all, `cookbook.ops.<op>` holds each op's contract.
+`explain` says which kernel a call runs, with which template arguments, grid and block, and why.
 Importing this package imports neither Numba nor the CUDA extensions: both load on first use.
 """
 
 from cookbook.api import cross_head_norm, qk_norm, qk_norm_rope, tp_qk_norm, virtual_tp
+from cookbook.explainer import explain
 
-__all__ = ["qk_norm", "cross_head_norm", "tp_qk_norm", "virtual_tp", "qk_norm_rope"]
+__all__ = ["qk_norm", "cross_head_norm", "tp_qk_norm", "virtual_tp", "qk_norm_rope", "explain"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""The main job: ``python -m cookbook [bench|tour] [options]`` (also ``fused-norm-cookbook``).
+"""The main job: ``python -m cookbook [bench|tour|explain] [options]`` (also ``fused-norm-cookbook``).
 
 ``bench`` (the default): on a CUDA GPU, check and time every registered implementation of every
 op side by side, and write tables, plots and the docs' results pages (see `cookbook.bench`). On a
@@ -7,6 +7,10 @@ machine without a GPU it runs the tour instead and says what a GPU run would add
 ``tour``: the CPU tour: the PyTorch reference and the Numba kernels (under Numba's CUDA simulator)
 on tiny shapes, both roundings, each checked against the contract. Exit status 0 when every
 implementation agrees, 1 otherwise.
+
+``explain``: which kernel, with which template arguments, grid and block, a call runs, and each
+choice of the tuned kernel's policy with the numbers that decided it (`cookbook.explain`):
+``python -m cookbook explain qk_norm --shape 8192,8,1,128 --dtype bfloat16 --gpu h100``.
 
 Numba reads NUMBA_ENABLE_CUDASIM once, when it is first imported, so this module imports neither
 Numba nor the kernels: the simulator is switched on before anything else can import them.
@@ -19,7 +23,7 @@ import os
 import shlex
 import sys
 
-COMMANDS = ("bench", "tour")
+COMMANDS = ("bench", "tour", "explain")
 DEFAULT_COMMAND = "bench"
 
 
@@ -47,6 +51,19 @@ def parser() -> argparse.ArgumentParser:
                        help="GPUs (ranks) for the collective op tp_qk_norm, run under torchrun (default: 2)")
     tour = commands.add_parser("tour", help="the CPU tour under Numba's CUDA simulator")
     tour.add_argument("--ops", nargs="+", metavar="OP", help="ops to run (default: every registered op)")
+    explain = commands.add_parser("explain", help="which kernel a call runs, and why (the tuned kernel's policy)")
+    explain.add_argument("op", help="the op (qk_norm)")
+    explain.add_argument("--shape", required=True, help="the call's sizes, comma-separated: qk_norm T,HQ,HK,D")
+    explain.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
+    explain.add_argument("--weight-dtype", choices=("float32", "float16", "bfloat16"),
+                         help="the weights' dtype (default: the activations')")
+    explain.add_argument("--rounding", default="fused", choices=("fused", "hf"))
+    explain.add_argument("--layout", default="fused_qkv", choices=("fused_qkv", "separate"),
+                         help="q and k as views of one fused qkv tensor (the benchmark's), or tensors of their own")
+    where = explain.add_mutually_exclusive_group()
+    where.add_argument("--gpu", choices=("h100", "h200"),
+                       help="answer for this GPU from the policy compiled for the host (default on a machine without a GPU: h100)")
+    where.add_argument("--sms", type=int, help="answer for a compute capability 9.0 GPU with this many SMs")
     return parser
 
 
@@ -56,6 +73,8 @@ def main(argv=None) -> int:
         argv.insert(0, DEFAULT_COMMAND)
     cli = parser()
     args = cli.parse_args(argv)
+    if args.command == "explain":
+        return explain_main(cli, args)
 
     import torch  # imports no Numba
 
@@ -102,6 +121,28 @@ def main(argv=None) -> int:
         tag=args.tag,
     )
     return max(exit_status(rows), status)
+
+
+def explain_main(cli: argparse.ArgumentParser, args) -> int:
+    import torch
+
+    from cookbook import explainer
+
+    try:
+        shape = tuple(int(n) for n in args.shape.split(","))
+    except ValueError:
+        cli.error(f"--shape: expected comma-separated integers (qk_norm: T,HQ,HK,D), got {args.shape!r}")
+    try:
+        answer = explainer.explain(args.op, shape=shape, dtype=getattr(torch, args.dtype), layout=args.layout,
+                                   weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None,
+                                   gpu=args.gpu, sms=args.sms, rounding=args.rounding)
+    except (ValueError, TypeError) as error:
+        cli.error(str(error))
+    except RuntimeError as error:
+        print(f"explain: {error}", file=sys.stderr)
+        return 1
+    print(answer)
+    return 0
 
 
 def exit_status(rows) -> int:

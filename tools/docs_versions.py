@@ -270,6 +270,33 @@ def results_table(op: str, tag: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def which_table(op: str) -> str:
+    """Which kernel the tuned path runs at every bench shape, and the policy's numbers: what
+    `python -m cookbook explain` answers (the policy compiled for the host, nvcc's registers) for
+    the benchmark's calls (bf16, fused rounding, q and k as views of one fused qkv tensor)."""
+    import torch
+
+    from cookbook import explainer
+
+    contract = registry.contract(op)
+    columns = explainer.EXPLAINERS[op].SUMMARY
+    lines = [f"| shape | kernel | grid x block | registers | {' | '.join(columns)} |",
+             "|---|---|---|---|" + "---|" * len(columns)]
+    for shape in contract.BENCH_SHAPES:
+        answer = explainer.explain(op, shape=shape, dtype=torch.bfloat16, layout="fused_qkv", gpu="h100")
+        p = answer.plan
+        name = p["kernel"].rsplit("::", 1)[1]
+        args = ", ".join(arg.split("=", 1)[1].split("::")[-1] for arg in p["template_arguments"].split(", ")[2:])
+        kernel = f"`{name}<{args}>`" if args else f"`{name}`"
+        label = contract.bench_case(shape, torch.bfloat16, "meta")[1]
+        lines.append(f"| {label} | {kernel} | {int(p['grid']):,} x {p['block']} | {p.get('registers', '-')} | "
+                     f"{' | '.join(answer.summary)} |")
+    lines += ["", "(an H100 or H200: 132 SMs, compute capability 9.0, the same answer for both; bf16, fused rounding, "
+                  "q and k as views of one fused qkv tensor, as the benchmark calls it; from `python -m cookbook explain "
+                  f"{op} --shape ... --gpu h100`, registers from ptxas for {nvcc_report.DEFAULT_ARCH}.)"]
+    return "\n".join(lines)
+
+
 TP_WORLDS = (2, 4)  # the tensor-parallel pages of record the tp_qk_norm page quotes
 
 
@@ -332,7 +359,7 @@ def write_generated(op: str) -> Path:
     page = RESULTS_DIR.parent / f"{op}.md"
     text = page.read_text()
     for name, table_text in named_tables(op):
-        if name in ("ladder", "results", "peers", "minimax"):
+        if name in ("ladder", "which", "results", "peers", "minimax"):
             start, end = GENERATED.format(name), GENERATED_END.format(name)
             before, rest = text.split(start, 1)
             _, after = rest.split(end, 1)
@@ -351,7 +378,10 @@ def named_tables(op: str) -> list[tuple[str, str]]:
     tables; the older layout's versions table (and cross_head_norm's occupancy table) and, where a
     peers sweep is recorded (`--tag peers`), the comparison with the peers."""
     if any(impl.extension is not None for impl in registry.implementations(op)):
-        return [("ladder", ladder_table(op)), ("results", results_table(op))]
+        from cookbook import explainer
+
+        which = [("which", which_table(op))] if op in explainer.explainable() else []
+        return [("ladder", ladder_table(op)), *which, ("results", results_table(op))]
     named = [("versions", table(op))] + ([("occupancy", occupancy_table(op))] if op == "cross_head_norm" else [])
     if op == "tp_qk_norm":
         named.append(("minimax", tp_minimax_table()))

@@ -1,0 +1,467 @@
+"""Which kernel runs for a call, and why: ``cookbook.explain`` and ``python -m cookbook explain``.
+
+    cookbook.explain("qk_norm", q, k, q_weight, k_weight)                 # the call's own tensors
+    cookbook.explain("qk_norm", shape=(8192, 8, 1, 128), gpu="h100")      # a call described
+    python -m cookbook explain qk_norm --shape 8192,8,1,128 --dtype bfloat16 --gpu h100
+
+The answer comes from the tuned kernel's own host policy (``kernels_cuda/<op>/policy.h``, the code
+the launcher runs before every launch), asked one of two ways:
+
+* **on a GPU**, through the tuned extension's explain op: the launcher's code, the driver's
+  occupancy for each kernel it weighs, the registers the driver reports;
+* **without one** (or for another GPU: ``gpu=`` or ``sms=``), through the same policy compiled for
+  the host (``kernels_cuda/<op>/explain_host.cpp``), with each kernel's registers from nvcc's
+  report (``cookbook.nvcc_report``) and CUDA's occupancy calculator (``cuda_occupancy.h``) for
+  the GPU named. Needs nvcc and a host C++ compiler, not a GPU.
+
+A GPU test asks both at every bench shape and over a sweep of shapes: the two answers are equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernels_cuda import KERNEL_DIR
+
+# -------------------------------------------------------------------------------------------------
+# The GPUs a call can be explained for without one. H100 and H200 (SXM) are the same chip to the
+# policy: 132 SMs of compute capability 9.0, the same register file and shared memory per SM.
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """What the policies and the occupancy calculator read of a GPU (cudaDeviceProp's fields)."""
+
+    name: str
+    sms: int
+    major: int = 9
+    minor: int = 0
+    max_threads_per_block: int = 1024
+    max_threads_per_sm: int = 2048
+    registers_per_block: int = 65536
+    registers_per_sm: int = 65536
+    warp_size: int = 32
+    shared_bytes_per_block: int = 48 * 1024
+    shared_bytes_per_sm: int = 228 * 1024
+    shared_bytes_per_block_optin: int = 227 * 1024
+    reserved_shared_bytes_per_block: int = 1024
+
+    def lines(self) -> list[str]:
+        fields = ("major", "minor", "max_threads_per_block", "max_threads_per_sm", "registers_per_block",
+                  "registers_per_sm", "warp_size", "shared_bytes_per_block", "shared_bytes_per_sm", "sms",
+                  "shared_bytes_per_block_optin", "reserved_shared_bytes_per_block")
+        return [f"gpu.{name}={getattr(self, name)}" for name in fields]
+
+    @classmethod
+    def of_device(cls, device=None) -> "Gpu":
+        """The GPU torch sees (the current one by default), as the driver describes it."""
+        p = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+        return cls(name=p.name, sms=p.multi_processor_count, major=p.major, minor=p.minor,
+                   max_threads_per_block=getattr(p, "max_threads_per_block", 1024),
+                   max_threads_per_sm=p.max_threads_per_multi_processor,
+                   registers_per_block=getattr(p, "regs_per_block", 65536),
+                   registers_per_sm=p.regs_per_multiprocessor, warp_size=p.warp_size,
+                   shared_bytes_per_block=p.shared_memory_per_block,
+                   shared_bytes_per_sm=p.shared_memory_per_multiprocessor,
+                   shared_bytes_per_block_optin=p.shared_memory_per_block_optin,
+                   reserved_shared_bytes_per_block=getattr(p, "reserved_shared_memory_per_block", 1024))
+
+
+GPUS = {"h100": Gpu("NVIDIA H100 SXM", sms=132), "h200": Gpu("NVIDIA H200 SXM", sms=132)}
+
+
+def gpu_named(gpu: "str | Gpu | None" = None, sms: int | None = None) -> Gpu:
+    """`gpu` ("h100", "h200", or a `Gpu`) with its SM count replaced by `sms` where given."""
+    if isinstance(gpu, Gpu) and sms is None:
+        return gpu
+    if isinstance(gpu, Gpu):
+        raise ValueError("sms: give either a Gpu or an SM count, not both")
+    if gpu is not None and gpu.lower() not in GPUS:
+        raise ValueError(f"gpu: expected one of {sorted(GPUS)}, got {gpu!r}")
+    base = GPUS[(gpu or "h100").lower()]
+    if sms is None:
+        return base
+    if not isinstance(sms, int) or isinstance(sms, bool) or sms < 1:
+        raise ValueError(f"sms: expected a positive number of SMs, got {sms!r}")
+    return Gpu(f"{base.name} with {sms} SMs" if gpu else f"a compute capability {base.major}.{base.minor} GPU with {sms} SMs",
+               sms, *(getattr(base, f) for f in ("major", "minor", "max_threads_per_block", "max_threads_per_sm",
+                                                 "registers_per_block", "registers_per_sm", "warp_size",
+                                                 "shared_bytes_per_block", "shared_bytes_per_sm",
+                                                 "shared_bytes_per_block_optin", "reserved_shared_bytes_per_block")))
+
+
+# -------------------------------------------------------------------------------------------------
+# The answer.
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Explanation:
+    """What one call runs. `plan` holds the policy's facts as the kernel's code states them
+    (key -> text); `str()` tells them in sentences."""
+
+    op: str
+    call: str  # the call, in a line
+    layout: str  # q and k: their layout and alignment, in a line
+    auto: str  # what backend="auto" runs, and where
+    cuda: str  # what backend="cuda" runs
+    source: str  # which of the two ways answered, and for which GPU
+    plan: dict[str, str] = field(default_factory=dict)
+    policy: list[tuple[str, str]] = field(default_factory=list)  # (choice, why)
+    summary: list[str] = field(default_factory=list)  # the policy's columns of the op page's table
+
+    @property
+    def kernel(self) -> str:
+        return f"{self.plan['kernel']}<{self.plan['template_arguments']}>"
+
+    def launch(self) -> str:
+        p = self.plan
+        if int(p.get("rows", "0")) == 0:
+            return "nothing: the call has no rows"
+        how = ", programmatic" if p.get("programmatic") == "true" else ""
+        registers = f"; {p['registers']} registers per thread" if "registers" in p else ""
+        shared = int(p.get("shared_bytes", "0"))
+        return f"grid {int(p['grid']):,} x block {p['block']}{how}{registers}" + (f"; {shared} B dynamic shared" if shared else "")
+
+    def __str__(self) -> str:
+        width = max([len(label) for label, _ in self.policy] + [0])
+        lines = [f"{self.op}: {self.call}", f"  {self.layout}", f"answered by {self.source}",
+                 f'backend="auto": {self.auto}', f'backend="cuda": {self.cuda}']
+        if int(self.plan.get("rows", "0")) > 0:
+            lines += [f"kernel: {self.kernel}", f"launch: {self.launch()}", "policy:"]
+            lines += [f"  {label:<{width}}  {why}" for label, why in self.policy]
+        else:
+            lines.append(f"launch: {self.launch()}")
+        return "\n".join(lines)
+
+
+def parse_plan(text: str) -> dict[str, str]:
+    plan = {}
+    for line in text.strip().splitlines():
+        key, _, value = line.partition("=")
+        plan[key] = value
+    if "error" in plan:
+        raise RuntimeError(f"the policy could not answer: {plan['error']}")
+    return plan
+
+
+# -------------------------------------------------------------------------------------------------
+# The host program: the policy compiled for the host.
+# -------------------------------------------------------------------------------------------------
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def _sources(root: str) -> list[Path]:
+    seen, todo = {}, [root]
+    while todo:
+        relative = todo.pop()
+        path = KERNEL_DIR / relative
+        if relative in seen or not path.is_file():
+            continue
+        seen[relative] = path
+        todo += _INCLUDE.findall(path.read_text())
+    return [seen[key] for key in sorted(seen)]
+
+
+def _cuda_include() -> str:
+    """The CUDA toolkit's include folder (cuda_occupancy.h), from nvcc's own dry run."""
+    from cookbook import nvcc_report
+
+    if nvcc_report.nvcc() is None:
+        raise RuntimeError("explaining a call without a GPU needs nvcc (the CUDA toolkit): none is on PATH")
+    for folder in nvcc_report.cuda_includes():
+        if (Path(folder) / "cuda_occupancy.h").is_file():
+            return folder
+    raise RuntimeError("cuda_occupancy.h was not found in the CUDA toolkit's include folders")
+
+
+def host_program(op: str) -> Path:
+    """The op's policy compiled for the host (cached by its sources' contents)."""
+    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        raise RuntimeError("explaining a call without a GPU needs a host C++ compiler (c++, g++ or clang++)")
+    source = f"{op}/explain_host.cpp"
+    if not (KERNEL_DIR / source).is_file():
+        raise RuntimeError(f"{op}: no host policy to explain (kernels_cuda/{source} does not exist)")
+    digest = hashlib.sha256()
+    for path in _sources(source):
+        digest.update(path.relative_to(KERNEL_DIR).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    root = Path(os.environ.get("COOKBOOK_BUILD_DIR", Path.home() / ".cache" / "fused-norm-cookbook"))
+    program = root / "explain" / f"{op}-{digest.hexdigest()[:12]}"
+    if program.is_file():
+        return program
+    program.parent.mkdir(parents=True, exist_ok=True)
+    aside = program.with_name(f"{program.name}.{os.getpid()}.tmp")
+    run = subprocess.run([compiler, "-std=c++20", "-O1", f"-I{KERNEL_DIR}", f"-I{_cuda_include()}",
+                          str(KERNEL_DIR / source), "-o", str(aside)], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"the host compiler failed on kernels_cuda/{source}:\n{run.stderr[-4000:]}")
+    aside.replace(program)
+    return program
+
+
+def _split_template(demangled: str) -> tuple[str, str] | None:
+    """("cookbook::ns::kernel", "v1,v2,...") of a demangled kernel name: its template arguments
+    with the casts nvcc's report prints before enum values ("(cookbook::Rounding)1" -> "1")."""
+    name = demangled.removeprefix("void ")
+    start = name.find("<")
+    if start < 0:
+        return None
+    depth, args, current = 0, [], ""
+    for char in name[start + 1:]:
+        if char == "<":
+            depth += 1
+        elif char == ">":
+            if depth == 0:
+                break
+            depth -= 1
+        if char == "," and depth == 0:
+            args.append(current)
+            current = ""
+        else:
+            current += char
+    args.append(current)
+    values = [re.sub(r"^\([^()]*\)", "", arg.strip()) for arg in args]
+    return name[:start], ",".join(values)
+
+
+def kernel_lines(op: str) -> list[str]:
+    """nvcc's report of the op's tuned extension, one `kernel` line per kernel."""
+    from cookbook import nvcc_report
+
+    lines = []
+    for kernel in nvcc_report.compile_extension(f"{op}_tuned"):
+        split = _split_template(kernel.kernel)
+        if split is None:
+            continue
+        if kernel.kernel.startswith("_Z"):
+            raise RuntimeError("reading nvcc's report needs a demangler (cu++filt, beside nvcc, or c++filt)")
+        lines.append(f"kernel {split[0]} {split[1]} {kernel.registers} {kernel.shared_bytes}")
+    return lines
+
+
+def ask_host(op: str, call_lines: list[str], gpu: Gpu) -> dict[str, str]:
+    """The policy's plan for the call, from the host program."""
+    text = "\n".join([*call_lines, *gpu.lines(), *kernel_lines(op)]) + "\n"
+    run = subprocess.run([str(host_program(op))], input=text, capture_output=True, text=True)
+    if run.returncode not in (0, 2):
+        raise RuntimeError(f"{op}'s host policy failed:\n{run.stdout}{run.stderr}")
+    return parse_plan(run.stdout)
+
+
+# -------------------------------------------------------------------------------------------------
+# The ops.
+# -------------------------------------------------------------------------------------------------
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # cookbook::DType
+_ROUNDING_CODE = {"fused": 0, "hf": 1}  # cookbook::Rounding
+LAYOUTS = ("fused_qkv", "separate")
+
+
+def _aligned(t: torch.Tensor, elements: int = 0) -> bool:
+    """Whether `t`'s first element (moved by `elements`) sits on a 16-byte boundary. A meta tensor's
+    data_ptr is its offset in bytes from a base that is taken as aligned (torch's allocations are)."""
+    return (t.data_ptr() + elements * t.element_size()) % 16 == 0
+
+
+class QkNorm:
+    op = "qk_norm"
+    shape_names = ("T", "HQ", "HK", "D")
+
+    @staticmethod
+    def inputs(shape, dtype, layout, device, weight_dtype=None) -> dict:
+        t, hq, hk, d = shape
+        weight_dtype = weight_dtype or dtype
+        if layout == "fused_qkv":
+            qkv = torch.empty(t, (hq + 2 * hk) * d, dtype=dtype, device=device)
+            q = qkv[:, : hq * d].view(t, hq, d)
+            k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+        else:
+            q = torch.empty(t, hq, d, dtype=dtype, device=device)
+            k = torch.empty(t, hk, d, dtype=dtype, device=device)
+        w = torch.empty(d, dtype=weight_dtype, device=device)
+        return dict(q=q, k=k, q_weight=w, k_weight=w.clone())
+
+    @staticmethod
+    def check(q, k, q_weight, k_weight, eps=1e-6, weight_offset=0.0, rounding="fused"):
+        from cookbook.ops import qk_norm as contract
+
+        return contract.check_arguments(q, k, q_weight, k_weight, eps, weight_offset, rounding)
+
+    @staticmethod
+    def describe_call(a, layout: str | None) -> tuple[str, str]:
+        t, hq, d = a.q.shape
+        hk = a.k.shape[1]
+        weights = str(a.q_weight.dtype).removeprefix("torch.")
+        call = (f"T={t} Hq={hq} Hk={hk} D={d}, {str(a.q.dtype).removeprefix('torch.')}, rounding={a.rounding!r}, "
+                f"weights {weights}")
+        where = {"fused_qkv": "q and k: views of one fused qkv tensor", "separate": "q and k: tensors of their own",
+                 None: "q and k"}[layout]
+        aligned = "yes" if QkNorm._rows_are_vectors(a) else "no"
+        weights_aligned = "yes" if _aligned(a.q_weight) and _aligned(a.k_weight) else "no"
+        return call, (f"{where} (token strides {a.q.stride(0)}, {a.k.stride(0)}); rows 16-byte aligned: {aligned}; "
+                      f"weights 16-byte aligned: {weights_aligned}")
+
+    @staticmethod
+    def _rows_are_vectors(a) -> bool:
+        elems = 16 // a.q.element_size()
+        strides = (a.q.stride(0), a.q.stride(1), a.k.stride(0), a.k.stride(1))
+        return _aligned(a.q) and _aligned(a.k) and all(s % elems == 0 for s in strides)
+
+    @staticmethod
+    def call_lines(a) -> list[str]:
+        t, hq, d = a.q.shape
+        return [f"dtype={_DTYPE_CODE[a.q.dtype]}", f"rounding={_ROUNDING_CODE[a.rounding]}", f"num_tokens={t}",
+                f"num_q_heads={hq}", f"num_kv_heads={a.k.shape[1]}", f"head_dim={d}",
+                f"rows_are_vectors={'true' if QkNorm._rows_are_vectors(a) else 'false'}",
+                f"weights_are_vectors={'true' if _aligned(a.q_weight) and _aligned(a.k_weight) else 'false'}"]
+
+    @staticmethod
+    def ask_gpu(a) -> dict[str, str]:
+        from cookbook import cuda, registry
+
+        cuda.load_extension(registry.get("qk_norm", "cuda_tuned").extension)
+        return parse_plan(torch.ops.cookbook.qk_norm_tuned_explain(a.q, a.k, a.q_weight, a.k_weight, a.eps,
+                                                                     a.weight_offset, a.rounding == "hf"))
+
+    @staticmethod
+    def policy(p: dict[str, str], a) -> list[tuple[str, str]]:
+        rows = int(p["rows"])
+        heads = a.q.shape[1] + a.k.shape[1]
+        head_dim = a.q.shape[2]
+        ranges = int(p["token_ranges"])
+        tokens = rows // heads
+        rows_text = f"{rows:,} rows ({tokens:,} token{'s' if tokens != 1 else ''} x {heads} heads)" + \
+            (f", the first of {ranges} token ranges of fewer than 2^32 rows" if ranges > 1 else "")
+        if p["kernel"].endswith("qk_norm_v2_kernel"):
+            why = (f"head_dim {head_dim} is not one the vector kernels compile (64, 128, 256, 512, 1024, 80, 96, 160, 192)"
+                   if QkNorm._rows_are_vectors(a) else "a row of q or k does not start on a 16-byte boundary")
+            return [("rows", rows_text), ("path", f"rung 2's warp per row: {why}"),
+                    ("block", f"{p['rows_per_block']} warps, one row each")]
+        sms = int(p["sms"])
+        one_wave, two_wave = int(p["one_vector_wave"]), int(p["two_vector_wave"])
+        one_bps, two_bps = int(p["one_vector_blocks_per_sm"]), int(p["two_vector_blocks_per_sm"])
+        block = int(p["block"])
+        one_rows, two_rows = block // lane_count(a, 1), block // lane_count(a, 2)
+        two_vectors = rows >= one_wave
+        same_kernel = lane_count(a, 1) == lane_count(a, 2)
+        vectors = (f"{2 if two_vectors else 1}: {rows:,} rows {'>=' if two_vectors else '<'} one wave of one-vector blocks "
+                   f"({sms} SMs x {one_bps} blocks x {one_rows} rows = {one_wave:,})")
+        if two_vectors and same_kernel:
+            vectors += f"; at head_dim {head_dim} one vector per lane already fills a warp: the same kernel"
+        if two_vectors and not same_kernel:
+            wave, wave_text = two_wave, f"two-vector blocks ({sms} x {two_bps} blocks x {two_rows} rows = {two_wave:,})"
+        else:
+            wave, wave_text = one_wave, f"one-vector blocks ({sms} x {one_bps} blocks x {one_rows} rows = {one_wave:,})"
+        warm = p["warm_next_wave"] == "true"
+        warm_text = f"{'yes' if warm else 'no'}: {rows / wave:.2f} waves of {wave_text}; it warms in more than 1 and at most 8"
+        if warm:
+            warm_text += f"; each lane group warms the row {int(p['rows_ahead']):,} rows ahead"
+        lanes, vecs = int(p["lanes_per_row"]), int(p["vecs_per_lane"])
+        return [("rows", rows_text),
+                ("path", f"vectors: head_dim {head_dim} is compiled and every row starts on a 16-byte boundary"),
+                ("lane group", f"{lanes} lanes x {vecs} vector{'s' if vecs > 1 else ''} of 16 bytes per row; "
+                               f"{p['rows_per_block']} rows per block of {p['block']} threads"),
+                ("vectors per lane", vectors),
+                ("warm next wave", warm_text),
+                ("weight loads", "per 16-byte vector: both weights are 16-byte aligned" if p["weight_vectors"] == "true"
+                 else "per element: a weight is not 16-byte aligned")]
+
+
+    # The generated "which kernel runs" table of docs/qk_norm.md: its policy columns.
+    SUMMARY = ("rows", "one-vector wave", "vectors per lane", "warm the next wave")
+
+    @staticmethod
+    def summary(p: dict[str, str], a) -> list[str]:
+        rows = int(p["rows"])
+        if p["kernel"].endswith("qk_norm_v2_kernel"):
+            return [f"{rows:,}", "-", "-", "-"]
+        one_wave, two_wave = int(p["one_vector_wave"]), int(p["two_vector_wave"])
+        two_vectors = rows >= one_wave
+        wave = two_wave if two_vectors else one_wave
+        return [f"{rows:,}", f"{one_wave:,} rows", f"{2 if two_vectors else 1}",
+                f"{'yes' if p['warm_next_wave'] == 'true' else 'no'} ({rows / wave:.2f} waves)"]
+
+
+def lane_count(a, min_vecs: int) -> int:
+    """The lanes of a lane group of `a`'s head_dim holding at least `min_vecs` vectors each
+    (lanes.h's lane_shape)."""
+    vecs = a.q.shape[2] // (16 // a.q.element_size())
+    wanted = (1 << max(vecs - 1, 0).bit_length()) // min_vecs
+    return max(1, min(32, wanted))
+
+
+EXPLAINERS = {"qk_norm": QkNorm}
+
+
+def explainable() -> list[str]:
+    return list(EXPLAINERS)
+
+
+def _backends(op: str, device: torch.device, hypothetical: bool) -> tuple[str, str]:
+    from cookbook import registry
+
+    tuned = registry.fastest(op)
+    numba = registry.latest(op, "numba")
+    if hypothetical:
+        return (f"{tuned.name} on CUDA tensors of a GPU with nvcc (without nvcc: {numba.name}, the Numba kernel; "
+                f"CPU tensors: the reference)", f"{tuned.name}")
+    auto = registry.resolve(op, "auto", device)
+    return f"{auto.name} ({auto.level})", f"{tuned.name}"
+
+
+def explain(op: str, *args, shape=None, dtype=torch.bfloat16, layout: str = "fused_qkv", weight_dtype=None,
+            gpu: str | None = None, sms: int | None = None, **kwargs) -> Explanation:
+    """Which kernel `backend="cuda"` (and "auto") runs for this call of `op`, with which template
+    arguments, grid and block, and each choice of the tuned kernel's policy with its numbers.
+
+    Pass the call's own arguments (``explain("qk_norm", q, k, q_weight, k_weight, rounding="hf")``)
+    or describe one (``shape=(T, HQ, HK, D)``, ``dtype``, ``layout="fused_qkv"`` or
+    ``"separate"``, ``weight_dtype``). On a GPU, CUDA tensors are asked of the GPU itself; with
+    ``gpu="h100"``/``"h200"`` or ``sms=N``, or without a GPU, the policy compiled for the host
+    answers for that GPU (nvcc and a host C++ compiler needed)."""
+    if op not in EXPLAINERS:
+        raise ValueError(f"op: expected one of {explainable()}, got {op!r}")
+    spec = EXPLAINERS[op]
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    on_gpu = torch.cuda.is_available() and gpu is None and sms is None
+    if shape is not None:
+        if args:
+            raise TypeError("explain: pass either the call's tensors or shape=, not both")
+        shape = tuple(shape)
+        if len(shape) != len(spec.shape_names) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise ValueError(f"shape: expected {len(spec.shape_names)} sizes ({','.join(spec.shape_names)}), "
+                             f"non-negative integers, got {shape}")
+        if dtype not in _DTYPE_CODE:
+            raise ValueError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+        tensors = spec.inputs(shape, dtype, layout, "cuda" if on_gpu else "meta", weight_dtype)
+        args = tuple(tensors.values())
+    checked = spec.check(*args, **kwargs)
+    device = checked.q.device
+    hypothetical = device.type != "cuda"
+    if device.type == "cuda" and (gpu is not None or sms is not None):
+        hypothetical = True
+    if device.type == "cuda" and not hypothetical:
+        plan = spec.ask_gpu(checked)
+        source = f"the GPU: {torch.cuda.get_device_name(device)} ({Gpu.of_device(device).sms} SMs), through the tuned extension"
+    else:
+        target = gpu_named(gpu, sms)
+        plan = ask_host(op, spec.call_lines(checked), target)
+        source = (f"the policy compiled for the host, for a {target.name} ({target.sms} SMs, "
+                  f"compute capability {target.major}.{target.minor}; registers from nvcc's report)")
+    call, layout_line = spec.describe_call(checked, layout if shape is not None else None)
+    auto, cuda = _backends(op, device, hypothetical)
+    has_rows = int(plan.get("rows", "0")) > 0
+    policy = spec.policy(plan, checked) if has_rows else []
+    summary = spec.summary(plan, checked) if has_rows else []
+    return Explanation(op, call, layout_line, auto, cuda, source, plan, policy, summary)
