@@ -4,10 +4,11 @@ an earlier commit, at every bench shape, with the benchmark's own timing.
 
     git archive <commit> kernels_cuda | tar -x -C /tmp/old        # the earlier commit's kernels
     python tools/compare_tuned.py --old-kernels /tmp/old/kernels_cuda --old-commit <commit> --old-version 14
+    python tools/compare_tuned.py --old-kernels /tmp/old/kernels_cuda --old-commit <commit> --old-version tuned
 
 The earlier commit's kernels (the older layout: every version in one header, `bindings/qk_norm.cu`
-registering `torch.ops.cookbook.qk_norm(..., version)`) are built as their own extension beside
-this checkout's; both are checked against the contract, then timed in the order old, new, new, old
+registering `torch.ops.cookbook.qk_norm(..., version)`; or the ladder layout's tuned kernel, with
+`--old-version tuned`) are built as their own extension beside this checkout's; both are checked against the contract, then timed in the order old, new, new, old
 at every shape (the two timings of each show the run's noise). Writes
 docs/results/qk_norm_<gpu>_tuned_vs_<commit>.{md,json}.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -42,6 +44,33 @@ class Candidate:
     fn: object
 
 
+def old_tuned_candidate(kernels: Path, commit: str) -> Candidate:
+    """The tuned kernel of an earlier commit in the ladder layout (`kernels_cuda/qk_norm/tuned.cuh`),
+    built as its own extension `cookbook::qk_norm_tuned_<commit>` from the earlier sources."""
+    from torch.utils import cpp_extension
+
+    from kernels_cuda import Extension
+
+    ext = Extension(OP, f"{OP}/tuned.cuh")
+    name = f"{OP}_tuned_{commit}"
+    directory = Path(cuda._build_root()) / f"{name}-old"
+    directory.mkdir(parents=True, exist_ok=True)
+    units = {"binding.cpp": f'#include "{OP}/binding.h"\nCOOKBOOK_QK_NORM_EXTENSION({name}, {ext.namespace})\n'}
+    for file_name, text in ext.kernel_units().items():  # the launchers only: an earlier commit has no explain
+        units[file_name] = "".join(line + "\n" for line in text.splitlines() if "::explain<" not in line)
+    for file_name, text in units.items():
+        (directory / file_name).write_text(text)
+    with cuda._build_environment(jobs=os.cpu_count()), cuda._build_lock(directory):
+        cpp_extension.load(name=f"cookbook_{name}", sources=[str(directory / f) for f in units],
+                           extra_include_paths=[str(kernels)], extra_cflags=cuda.CXX_FLAGS,
+                           extra_cuda_cflags=cuda.CUDA_FLAGS, build_directory=str(directory), is_python_module=False)
+
+    def run(q, k, q_weight, k_weight, eps, weight_offset, rounding):
+        getattr(torch.ops.cookbook, name)(q, k, q_weight, k_weight, eps, weight_offset, rounding == "hf")
+
+    return Candidate(f"cuda_tuned@{commit}", "tuned", 0, run)
+
+
 def old_candidate(kernels: Path, commit: str, version: int) -> Candidate:
     from torch.utils import cpp_extension
 
@@ -62,14 +91,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old-kernels", type=Path, required=True, help="the earlier commit's kernels_cuda/")
     parser.add_argument("--old-commit", required=True)
-    parser.add_argument("--old-version", type=int, required=True, help="its fastest CUDA C version")
+    parser.add_argument("--old-version", required=True,
+                        help="its fastest CUDA C version (the older layout), or 'tuned' (the ladder layout's tuned kernel)")
     parser.add_argument("--results-dir", type=Path, default=bench.REPO_ROOT / "docs" / "results")
     args = parser.parse_args(argv)
     command = shlex.join(["python", "tools/compare_tuned.py", *(argv if argv is not None else sys.argv[1:])])
 
     tuned = registry.get(OP, "cuda_tuned")
     cuda.build([tuned.extension])
-    old = old_candidate(args.old_kernels.resolve(), args.old_commit, args.old_version)
+    if args.old_version == "tuned":
+        old = old_tuned_candidate(args.old_kernels.resolve(), args.old_commit)
+    else:
+        old = old_candidate(args.old_kernels.resolve(), args.old_commit, int(args.old_version))
     new = Candidate(tuned.name, tuned.level, tuned.version, tuned.fn)
     contract = registry.contract(OP)
     copy_gb_per_s = bench.copy_bandwidth_gb_per_s()
