@@ -506,8 +506,8 @@ walkthrough.agreement_table(OP, AGREE_SHAPES)
 #
 # Every implementation at the headline shapes (the timings of section 7), then the lines against
 # tokens: on a GPU those just measured, and in any case the benchmark's full sweep recorded in
-# `docs/results/` (`python -m cookbook bench --ops qk_norm` on a GPU writes it, with the GPU,
-# date, commit and command on the page).
+# `docs/results/` (`python -m cookbook bench --ops qk_norm --results-dir docs/results` on a GPU
+# writes it, with the GPU, date, commit and command on the page).
 
 # %%
 walkthrough.timing_table(measured)
