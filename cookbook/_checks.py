@@ -68,6 +68,22 @@ def require_same_device_dtype(a_name: str, a: torch.Tensor, b_name: str, b: torc
         raise TypeError(f"{b_name}: expected the dtype of {a_name} ({a.dtype}), got {describe(b)}")
 
 
+def require_heads_split(name: str, t, heads_name: str, weight_name: str, w) -> None:
+    """A per-head op reads a 2-D `t` as one token's ``[heads, head_dim]``. Where its weight `w`
+    (``[head_dim]``) divides that row into several heads, `t` is a flattened
+    ``[tokens, heads * head_dim]``: say so, and how to split it, instead of blaming the weight."""
+    if not (isinstance(t, torch.Tensor) and t.dim() == 2 and isinstance(w, torch.Tensor) and w.dim() == 1):
+        return
+    head_dim, width = w.shape[0], t.shape[-1]
+    if 0 < head_dim < width and width % head_dim == 0:
+        raise ValueError(
+            f"{name}: read as 2-D [{heads_name}={t.shape[0]}, head_dim={width}] (one token, no token dims), but "
+            f"{weight_name} has head_dim={head_dim}; expected [tokens..., {heads_name}, head_dim={head_dim}]: view a "
+            f"flattened [tokens, {heads_name} * head_dim] {name} as {name}.view({t.shape[0]}, {width // head_dim}, "
+            f"{head_dim}); got {describe(t)}"
+        )
+
+
 def require_q_k(q, k, expect_q: str, expect_k: str, min_dims: int = 2, names=("q", "k")) -> None:
     """The preamble every q/k op shares: tensors of an activation dtype, rank at least
     `min_dims`, one device and one dtype. `names`: the arguments' names in the caller's op."""
@@ -122,20 +138,24 @@ def require_choice(name: str, value, choices) -> None:
 
 
 def require_backend_device(backend: str, device: torch.device) -> None:
-    """The compiled backends need CUDA tensors (Numba also runs CPU tensors under its simulator)."""
+    """The compiled backends need CUDA tensors (Numba also runs CPU tensors under its simulator);
+    tensors on any other device (meta, ...) only the reference takes."""
     if backend == "cuda" and device.type != "cuda":
         raise ValueError(
             f"backend='cuda': expected CUDA tensors, got tensors on {device}; "
-            "use backend='reference' (or 'auto') for CPU tensors"
+            f"use backend='reference' (or 'auto') for tensors on {device}"
         )
     if backend == "numba" and device.type != "cuda":
-        from kernels_numba import SIMULATOR  # cheap: does not import numba
+        import kernels_numba  # cheap: does not import numba
 
-        if not SIMULATOR:
+        if device.type != "cpu":
             raise ValueError(
-                f"backend='numba': expected CUDA tensors, got tensors on {device}; CPU tensors "
-                "run the Numba kernels only under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)"
+                f"backend='numba': expected CUDA tensors (or CPU tensors under Numba's CUDA simulator), got "
+                f"tensors on {device}; use backend='reference' (or 'auto') for tensors on {device}"
             )
+        if not kernels_numba.simulator():
+            raise ValueError(f"backend='numba': expected CUDA tensors, got tensors on {device}; "
+                             f"{kernels_numba.how_to_simulate()}")
 
 
 def as_token_rows(name: str, t: torch.Tensor, trailing: int, expected: str) -> torch.Tensor:

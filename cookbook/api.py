@@ -21,10 +21,12 @@ from cookbook.ops import qk_norm as qk_norm_contract
 from cookbook.ops import qk_norm_rope as qk_norm_rope_contract
 from cookbook.ops import tp_qk_norm as tp_contract
 
-_BACKENDS_DOC = """backend: "auto" (default) runs the tuned CUDA C kernel on CUDA tensors (the PyTorch
-            reference on CPU tensors); "cuda" the tuned CUDA C kernel (built on first use, a few
-            seconds); "numba" the last Numba kernel (on a CPU only under NUMBA_ENABLE_CUDASIM=1);
-            "reference" the PyTorch reference, on any device."""
+_BACKENDS_DOC = """backend: "auto" (default): on CUDA tensors the tuned CUDA C kernel, or, on a GPU
+            machine without nvcc (no CUDA toolkit found: set CUDA_HOME), the last Numba kernel
+            (and where Numba cannot run either, the PyTorch reference, with a RuntimeWarning);
+            on CPU tensors the PyTorch reference. "cuda": the tuned CUDA C kernel (built on
+            first use, a few seconds). "numba": the last Numba kernel (on CPU tensors only
+            under NUMBA_ENABLE_CUDASIM=1). "reference": the PyTorch reference, on any device."""
 
 
 def _as_op(name: str, run, check_in_place, mutates=("q", "k")):
@@ -57,11 +59,13 @@ def qk_norm(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, rounding="
         y = x * rsqrt(mean(x^2) + eps) * (w + weight_offset)
 
     Args:
-        q: ``[tokens..., num_q_heads, head_dim]``, float32, float16 or bfloat16. The last dim
-            contiguous; token and head strides are free (a view into a fused qkv tensor works).
+        q: ``[tokens..., num_q_heads, head_dim]``, float32, float16 or bfloat16; head_dim even,
+            from 2 to 1024. The last dim contiguous; token and head strides are free (a view
+            into a fused qkv tensor works). A flattened ``[tokens, num_q_heads * head_dim]`` q
+            must be viewed as ``[tokens, num_q_heads, head_dim]`` first: a 2-D q is one token.
         k: ``[tokens..., num_kv_heads, head_dim]``, the dtype, device, token dims and head_dim of q
             (any GQA ratio).
-        q_weight, k_weight: ``[head_dim]``, in q's dtype or float32.
+        q_weight, k_weight: ``[head_dim]``, contiguous, in q's dtype or float32, on q's device.
         eps: added to mean(x^2) inside the square root; a finite float >= 0.
         weight_offset: added to the weights in float32 (1.0 for Gemma's ``(1 + w)``).
         rounding: "fused" rounds once at the end (FlashInfer, SGLang); "hf" in Hugging Face's
@@ -77,6 +81,20 @@ def qk_norm(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, rounding="
         RuntimeError: the backend cannot run here (e.g. backend="cuda" without a GPU).
 
     The contract, its tolerances and the bench shapes: `cookbook.ops.qk_norm`.
+
+    Examples:
+        On a CPU (``backend="auto"`` is the PyTorch reference there):
+
+        >>> import torch, cookbook
+        >>> q = torch.randn(4, 8, 128, dtype=torch.bfloat16)  # [tokens, q heads, head_dim]
+        >>> k = torch.randn(4, 2, 128, dtype=torch.bfloat16)  # [tokens, kv heads, head_dim]
+        >>> w = torch.ones(128, dtype=torch.bfloat16)
+        >>> q, k = cookbook.qk_norm(q, k, w, w, eps=1e-6)  # in place; returns the same tensors
+        >>> round(q.float().square().mean().item(), 1)  # each head's mean square is now about 1
+        1.0
+        >>> qkv = torch.randn(4, (8 + 2 + 2) * 128)  # a fused projection's output: q, k, v
+        >>> q, k = qkv[:, :1024].view(4, 8, 128), qkv[:, 1024:1280].view(4, 2, 128)  # views
+        >>> _ = cookbook.qk_norm(q, k, torch.ones(128), torch.ones(128))  # v is left alone
     """
     C.require_choice("backend", backend, C.BACKENDS)
     a = qk_norm_contract.check_inputs(q, k, q_weight, k_weight, eps, weight_offset, rounding)
@@ -107,9 +125,12 @@ def cross_head_norm(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, ro
 
     Args:
         q: ``[tokens..., q_hidden]`` or ``[tokens..., num_q_heads, head_dim]`` with packed heads;
-            float32, float16 or bfloat16, last dim contiguous, token stride free.
-        k: the same for k (its own hidden size), the dtype, device and token dims of q.
-        q_weight, k_weight: ``[q_hidden]`` and ``[k_hidden]``, in q's dtype or float32.
+            float32, float16 or bfloat16, last dim contiguous, token stride free. q_hidden even,
+            from 2 to 65536.
+        k: the same for k (its own hidden size, the same range), the dtype, device and token
+            dims of q.
+        q_weight, k_weight: ``[q_hidden]`` and ``[k_hidden]``, contiguous, in q's dtype or
+            float32, on q's device.
         eps, weight_offset, rounding: as in `qk_norm`.
         {backends}
 
@@ -118,6 +139,15 @@ def cross_head_norm(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, ro
         argument before anything is written.
 
     The contract: `cookbook.ops.cross_head_norm`.
+
+    Examples:
+        On a CPU (``backend="auto"`` is the PyTorch reference there):
+
+        >>> import torch, cookbook
+        >>> q, k = torch.randn(4, 1024), torch.randn(4, 256)  # [tokens, q_hidden], [tokens, k_hidden]
+        >>> q, k = cookbook.cross_head_norm(q, k, torch.ones(1024), torch.ones(256), eps=1e-6)
+        >>> round(q.square().mean(-1)[0].item(), 2)  # each token's whole row: mean square about 1
+        1.0
     """
     C.require_choice("backend", backend, C.BACKENDS)
     a = cross_head_norm_contract.check_inputs(q, k, q_weight, k_weight, eps, weight_offset, rounding)
@@ -149,9 +179,10 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps=1e-6, *
     are rotated by the angle of the token's position (read from ``cos_sin_cache``).
 
     Args:
-        q, k, q_weight, k_weight, eps, weight_offset, rounding: as in `qk_norm`.
-        cos_sin_cache: ``[max_position, rope_dim]``: cos of each position's angles in the first
-            half of a row, sin in the second; float32 or the activation dtype.
+        q, k, q_weight, k_weight, eps, weight_offset, rounding: as in `qk_norm` (head_dim even,
+            from 2 to 1024; the weights ``[head_dim]``, contiguous).
+        cos_sin_cache: ``[max_position, rope_dim]``, contiguous: cos of each position's angles in
+            the first half of a row, sin in the second; float32 or the activation dtype.
         positions: ``[tokens]`` int32 or int64, each in ``[0, max_position - position_offset)``.
         is_neox: True rotates the pairs (i, i + rope_dim / 2) (NeoX, Llama); False the
             neighbouring pairs (2i, 2i + 1) (GPT-J, interleaved).
@@ -165,6 +196,18 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps=1e-6, *
         naming the argument before anything is written.
 
     The contract: `cookbook.ops.qk_norm_rope`.
+
+    Examples:
+        On a CPU (``backend="auto"`` is the PyTorch reference there):
+
+        >>> import torch, cookbook
+        >>> q, k = torch.randn(3, 4, 64), torch.randn(3, 2, 64)  # [tokens, heads, head_dim]
+        >>> angles = torch.arange(16.0)[:, None] * 10000.0 ** (-torch.arange(0, 64, 2) / 64)
+        >>> cos_sin_cache = torch.cat([angles.cos(), angles.sin()], dim=-1)  # [16 positions, rope_dim=64]
+        >>> w = torch.ones(64)
+        >>> q, k = cookbook.qk_norm_rope(q, k, w, w, cos_sin_cache, torch.tensor([0, 1, 2]))
+        >>> round(q.square().mean(-1)[2, 0].item(), 2)  # normalized; the rotation keeps the norm
+        1.0
     """
     C.require_choice("backend", backend, C.BACKENDS)
     rope = qk_norm_rope_contract.Rope(is_neox, rope_dim, position_offset)
@@ -209,14 +252,20 @@ def tp_qk_norm(q_shard, k_shard, q_weight_shard, k_weight_shard, eps=1e-6, *, gr
 
     Args:
         q_shard: ``[tokens..., q_shard_width]``, this rank's columns of q (full width = shard
-            width * ranks); k_shard likewise; the same tokens on every rank.
-        q_weight_shard, k_weight_shard: this rank's slices of the weights.
+            width * ranks), the shard width even, from 2 to 65536; k_shard likewise; the same
+            tokens on every rank.
+        q_weight_shard, k_weight_shard: this rank's slices of the weights, ``[q_shard_width]``
+            and ``[k_shard_width]``, contiguous, in the shards' dtype or float32.
         eps, weight_offset, rounding: as in `qk_norm`.
         group: a torch.distributed process group (None: the default group when one is
             initialized, else a single rank, which is `cross_head_norm`). NCCL groups take CUDA
             tensors, gloo groups CPU tensors.
-        {backends} On CUDA, "auto" and "cuda" take the fused kernel where every
-            rank's GPU can write into every other's memory, else the NCCL pipeline (said once).
+        backend: "auto" (default): on CUDA tensors as "cuda", on CPU tensors the PyTorch
+            reference. "cuda": the CUDA C kernels (built on first use; they need nvcc, with no
+            Numba fallback for this collective): the fused kernel where every rank's GPU can
+            write into every other's memory, else the NCCL pipeline (said once). "numba": the
+            last Numba pipeline (on CPU tensors only under NUMBA_ENABLE_CUDASIM=1).
+            "reference": the PyTorch reference, on any device.
 
     Returns:
         ``(q_shard, k_shard)``, normalized in place.
@@ -232,6 +281,16 @@ def tp_qk_norm(q_shard, k_shard, q_weight_shard, k_weight_shard, eps=1e-6, *, gr
             ends the group's use: every later call on it raises.
 
     The contract: `cookbook.ops.tp_qk_norm`.
+
+    Examples:
+        Without a process group, one rank holds the whole row (`cross_head_norm`); `virtual_tp`
+        runs the sharded algorithm in one process. On ranks, see notebook 03.
+
+        >>> import torch, cookbook
+        >>> q, k = torch.randn(4, 1024), torch.randn(4, 256)
+        >>> q, k = cookbook.tp_qk_norm(q, k, torch.ones(1024), torch.ones(256))  # no group: one rank
+        >>> round(q.square().mean(-1)[0].item(), 2)
+        1.0
     """
     C.require_choice("backend", backend, C.BACKENDS)
     try:

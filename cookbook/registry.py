@@ -71,11 +71,13 @@ class Impl:
         if self.level == "reference":
             return None
         if self.level == "numba":
-            from kernels_numba import SIMULATOR
+            from kernels_numba import simulator  # does not import numba
 
             if device.type == "cuda":
-                return "the Numba CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1)" if SIMULATOR else None
-            return None if SIMULATOR else "Numba kernels need a CUDA GPU or NUMBA_ENABLE_CUDASIM=1"
+                return "the Numba CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1)" if simulator() else None
+            if device.type != "cpu":
+                return f"Numba kernels read CUDA tensors, or CPU tensors under the simulator; not {device.type} tensors"
+            return None if simulator() else "Numba kernels need a CUDA GPU or NUMBA_ENABLE_CUDASIM=1"
         if self.level == "peer" and self.op in DISTRIBUTED_OPS:
             return None  # the collective baselines are plain torch.distributed: NCCL or gloo
         if device.type != "cuda":

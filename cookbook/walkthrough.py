@@ -27,7 +27,6 @@ import importlib.metadata
 import os
 import platform
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,8 +79,10 @@ class Session:
 
 
 def numba_imported() -> bool:
-    """True once Numba (or `kernels_numba`, which fixes its SIMULATOR flag at import) is loaded."""
-    return "numba.core.config" in sys.modules or "kernels_numba" in sys.modules
+    """True once Numba is loaded: it read NUMBA_ENABLE_CUDASIM then, once."""
+    from kernels_numba import numba_choice  # does not import Numba
+
+    return numba_choice() is not None
 
 
 def _version(distribution: str) -> str:

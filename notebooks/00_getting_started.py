@@ -34,10 +34,12 @@
 # the production kernel. The other ops still hold their numbered CUDA C versions in one header
 # each (`kernels_cuda/<op>.cuh`).
 #
-# **Install** (from a checkout; the test extras include everything the notebooks need):
+# **Install** (from a checkout), to open the notebooks in Jupyter, or to run them (and the tests)
+# without it:
 #
 # ```bash
-# python -m pip install -e ".[test]"
+# python -m pip install -e ".[notebooks]" && jupyter lab     # Jupyter and what the notebooks import
+# python -m pip install -e ".[test]"                         # then: jupyter execute 00_getting_started.ipynb
 # ```
 #
 # Without a GPU everything here still runs: the reference on the CPU, and the Numba kernels under
@@ -144,7 +146,8 @@ print(f"\nqk_norm's tuned kernel, kernels_cuda/{registry.get('qk_norm', 'cuda_tu
 #   reason). `python -m pytest --nbmake notebooks` runs these notebooks top to bottom.
 # * **The main job**: `python -m cookbook bench` on a GPU (`cookbook/bench/sweep.py`) checks and
 #   times every registered implementation side by side with PyTorch eager and `torch.compile`,
-#   and writes tables, plots and `docs/results/<op>_<gpu>.md`. `python -m cookbook tour` (the
+#   and writes tables, plots and `bench_out/pages/<op>_<gpu>.md` (the pages of record in
+#   `docs/results/` with `--results-dir docs/results`). `python -m cookbook tour` (the
 #   default without a GPU, `cookbook/bench/tour.py`) runs the reference and the Numba kernels on
 #   tiny shapes, checked for agreement.
 # * **Docs**: [`docs/index.md`](../docs/index.md) lists the op pages

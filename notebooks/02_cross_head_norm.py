@@ -447,8 +447,8 @@ walkthrough.agreement_table(OP, AGREE_SHAPES if session.on_gpu else contract.SIM
 # the benchmark's own machinery (`cookbook.bench`: agreement first, then CUDA-graph replay over
 # rotating input sets, percent of a device-to-device copy measured in the same run), else read
 # from the sweep the benchmark recorded in `docs/results/`. Then the recorded full sweep against
-# tokens (`python -m cookbook bench --ops cross_head_norm` on a GPU writes it, with the GPU, date,
-# commit and command on the page).
+# tokens (`python -m cookbook bench --ops cross_head_norm --results-dir docs/results` on a GPU
+# writes it, with the GPU, date, commit and command on the page).
 
 # %%
 QUICK = bench.select_shapes(contract.BENCH_SHAPES, "quick")

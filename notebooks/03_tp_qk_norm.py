@@ -664,15 +664,15 @@ for world in (2, 4, 8):
 # The 2-GPU benchmark (`python -m cookbook bench --ops tp_qk_norm`, which starts itself under
 # torchrun, one process per GPU) times every implementation side by side with the communication
 # alone (the NCCL all-reduce of the `[T, 2]` sums and PyTorch's symmetric-memory one-shot
-# all-reduce) and the same shard's single-GPU `cross_head_norm`, and writes
-# `docs/results/tp_qk_norm_<gpu>x<tp>.md`. The recorded pages, if any (each names its GPUs, date,
-# commit and command):
+# all-reduce) and the same shard's single-GPU `cross_head_norm`, and with `--results-dir
+# docs/results` writes `docs/results/tp_qk_norm_<gpu>x<tp>.md`. The recorded pages, if any (each
+# names its GPUs, date, commit and command):
 
 # %%
 pages = walkthrough.results_pages(OP) + walkthrough.results_pages(OP, "decode")
 if not pages:
     print("No recorded results yet (docs/results/tp_qk_norm_h200x2.md is written by "
-          "`python -m cookbook bench --ops tp_qk_norm` on a node with 2 GPUs).")
+          "`python -m cookbook bench --ops tp_qk_norm --results-dir docs/results` on a node with 2 GPUs).")
 for page in pages:
     walkthrough.results_link(page)
 

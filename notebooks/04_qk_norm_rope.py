@@ -535,8 +535,8 @@ walkthrough.agreement_table(OP, AGREE_SHAPES if session.on_gpu else contract.SIM
 # Every implementation at the named shapes: on a GPU timed now by the benchmark's own machinery
 # (`cookbook.bench`: agreement first, then CUDA-graph replay over rotating input sets, percent of
 # a device-to-device copy measured in the same run), else read from the sweep the benchmark
-# recorded in `docs/results/` (`python -m cookbook bench --ops qk_norm_rope` on a GPU writes it,
-# with the GPU, date, commit and command on the page).
+# recorded in `docs/results/` (`python -m cookbook bench --ops qk_norm_rope --results-dir
+# docs/results` on a GPU writes it, with the GPU, date, commit and command on the page).
 #
 # The named shapes differ in heads and rope_dim, not in tokens, so instead of lines against
 # tokens we draw one bar per implementation and shape.

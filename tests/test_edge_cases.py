@@ -180,3 +180,19 @@ def test_meta_tensors_have_no_memory_to_check():
     meta = contract.make_inputs(4, 2, 1, 64, torch.bfloat16, "cpu")
     meta = {name: torch.empty_like(t, device="meta") for name, t in meta.items()}
     contract.check_inputs(**meta, eps=1e-6, weight_offset=0.0, rounding="fused")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_meta_tensors_are_refused_by_the_kernels_and_taken_by_the_reference(op):
+    """Meta tensors have no data for a kernel to read: backend="numba" (even under the simulator)
+    and "cuda" refuse them by name, like any device they cannot run on; the reference (and "auto",
+    which picks it off CUDA) takes them, as shapes only. tp_qk_norm here at one rank; on gloo
+    ranks: test_tp_qk_norm.py."""
+    inputs = {name: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t
+              for name, t in make_inputs(op, torch.bfloat16, "cpu").items()}
+    for backend in ("numba", "cuda"):
+        with pytest.raises(ValueError, match=rf"backend='{backend}': expected CUDA tensors.* got tensors on meta"):
+            call_api(op, inputs, backend)
+    assert registry.latest(op, "numba").unavailable("meta") is not None
+    for backend in ("reference", "auto"):
+        call_api(op, inputs, backend)

@@ -394,6 +394,17 @@ def _bad_cases():
 
     return [
         ("q not a tensor", with_(q=lambda a: a["q"].tolist()), TypeError, "q: expected a torch.Tensor"),
+        # a flattened [tokens, heads * head_dim] q or k is one token of one long head: the error says so
+        ("flattened q", with_(q=lambda a: a["q"].reshape(2, 256)), ValueError,
+         "q: read as 2-D [num_q_heads=2, head_dim=256] (one token, no token dims), but q_weight has head_dim=64; "
+         "expected [tokens..., num_q_heads, head_dim=64]: view a flattened [tokens, num_q_heads * head_dim] q as "
+         "q.view(2, 4, 64)"),
+        ("flattened q and k", with_(q=lambda a: a["q"].reshape(2, 256), k=lambda a: a["k"].reshape(2, 128)), ValueError,
+         "q: read as 2-D [num_q_heads=2, head_dim=256]"),
+        ("flattened k", with_(k=lambda a: a["k"].reshape(2, 128)), ValueError,
+         "k: read as 2-D [num_kv_heads=2, head_dim=128] (one token, no token dims), but k_weight has head_dim=64; "
+         "expected [tokens..., num_kv_heads, head_dim=64]: view a flattened [tokens, num_kv_heads * head_dim] k as "
+         "k.view(2, 2, 64)"),
         ("head_dim mismatch", with_(k=lambda a: a["k"][..., :32]), ValueError, "k: expected [tokens..., num_kv_heads, head_dim=64]"),
         ("dtype mismatch", with_(k=lambda a: a["k"].half()), TypeError, "k: expected the dtype of q"),
         ("cache not a tensor", with_(cos_sin_cache=lambda a: a["cos_sin_cache"].tolist()), TypeError, "cos_sin_cache: expected a torch.Tensor"),

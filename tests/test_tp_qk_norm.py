@@ -760,6 +760,29 @@ def test_a_rank_that_rejects_its_call_tells_the_others(pool):
         assert_all_ok(result["follow_up"])
 
 
+def _rank_refuses_meta_shards(rank, world):
+    """Every rank calls with meta shards, which the Numba kernels cannot read: the error each rank
+    raised, and a follow-up call's reports (the group is still in step)."""
+    shards = tp.make_inputs(2, 4 * world, 2 * world, torch.bfloat16, seed=rank, rank=rank, tp=world)
+    shards = {name: torch.empty_like(t, device="meta") for name, t in shards.items()}
+    error = None
+    try:
+        cookbook.tp_qk_norm(**shards, backend="numba")
+    except Exception as e:  # judged by the test
+        error = (type(e).__name__, str(e))
+    return dict(error=error, follow_up=_follow_up(rank, world))
+
+
+@needs_gloo
+def test_meta_shards_are_refused_on_every_rank(pool):
+    for rank, result in enumerate(pool.run(_target(_rank_refuses_meta_shards))):
+        assert result["error"] is not None, f"rank {rank}: no error"
+        kind, message = result["error"]
+        assert kind == "ValueError" and "backend='numba': expected CUDA tensors" in message, f"rank {rank}: {message}"
+        assert "got tensors on meta" in message, message
+        assert_all_ok(result["follow_up"])
+
+
 WAIT_LIMIT_S = 1.0
 
 

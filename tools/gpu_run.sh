@@ -19,7 +19,7 @@ if [[ $what == tests || $what == all ]]; then
   status=${PIPESTATUS[0]}
 fi
 if [[ $what == bench || $what == all ]]; then
-  python3 -m cookbook bench --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -60
+  python3 -m cookbook bench --out "$OUT/bench" --results-dir docs/results 2>&1 | tee "$OUT/bench.log" | tail -60
   tar czf "$OUT/results.tgz" docs/results "$OUT/bench" 2>/dev/null
 fi
 exit $status

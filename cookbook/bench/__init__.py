@@ -17,13 +17,14 @@ Importing this package imports neither Numba nor the CUDA kernels; both load on 
 the simulator can still be switched on after importing it.
 """
 
-from cookbook.bench.common import (AGREEMENT_SEED, BENCH_ROUNDING, BYTES_PER_GB, COMPILED, DEFAULT_DTYPE, DEVICE,
-                                   DTYPES, EAGER, EPS, GB_PER_TB, MIB, REPO_ROOT, ROUNDINGS, SHAPE_CHOICES,
-                                   TOUR_DTYPES, TOUR_SEED, US_PER_MS, WEIGHT_OFFSET, call_by_name, checked, compare,
-                                   dtype_name, error_text, expected_outputs, positional, resolve_dtype, resolve_ops,
-                                   run_and_compare, select_shapes, split_available)
-from cookbook.bench.pages import (ROW_FIELDS, RecordedSweep, git_commit, gpu_slug, metadata, recorded_sweeps,
-                                  results_stem, write_outputs, write_results_page)
+from cookbook.bench.common import (AGREEMENT_SEED, BENCH_ROUNDING, BYTES_PER_GB, COMPILED, DEFAULT_DTYPE, DEFAULT_OUT,
+                                   DEVICE, DTYPES, EAGER, EPS, GB_PER_TB, MIB, PAGES_OF_RECORD, REPO_ROOT, ROUNDINGS,
+                                   SHAPE_CHOICES, TOUR_DTYPES, TOUR_SEED, US_PER_MS, WEIGHT_OFFSET, call_by_name,
+                                   checked, compare, dtype_name, error_text, expected_outputs, positional,
+                                   resolve_dtype, resolve_ops, resolve_results_dir, run_and_compare, select_shapes,
+                                   split_available)
+from cookbook.bench.pages import (ROW_FIELDS, RecordedSweep, git_commit, gpu_slug, metadata, pages_note,
+                                  recorded_sweeps, results_stem, write_outputs, write_results_page)
 from cookbook.bench.sweep import (Progress, ShapeCase, add_speedups, bench_impl, bench_shape, fresh_callable,
                                   prepare_shape, run)
 from cookbook.bench.tables import (LEVEL_MARKERS, MAX_CELL_CHARS, PLOTS, bench_table, draw_lines, largest_family,

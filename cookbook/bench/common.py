@@ -38,6 +38,14 @@ DEFAULT_DTYPE = torch.bfloat16
 TOUR_DTYPES = (torch.float32, torch.bfloat16)
 ROUNDINGS = ("fused", "hf")
 SHAPE_CHOICES = ("quick", "full")
+DEFAULT_OUT = "bench_out"  # results.csv/json, plots, traces, and the results pages unless told where
+PAGES_OF_RECORD = "docs/results"  # the pages the docs link to: written only when asked (--results-dir)
+
+
+def resolve_results_dir(out, results_dir=None) -> Path:
+    """Where the results pages go: `results_dir` when given (``docs/results`` for the pages of
+    record), else ``<out>/pages``, so a first run never replaces the checkout's committed pages."""
+    return Path(results_dir) if results_dir is not None else Path(out) / "pages"
 
 
 def select_shapes(all_shapes, choice: str) -> list:

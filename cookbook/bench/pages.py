@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from cookbook.bench.common import DEFAULT_DTYPE, GB_PER_TB, MIB, REPO_ROOT, dtype_name
+from cookbook.bench.common import DEFAULT_DTYPE, GB_PER_TB, MIB, PAGES_OF_RECORD, REPO_ROOT, dtype_name
 from cookbook.bench.peers import SideBySide
 from cookbook.bench.tables import bench_table, plot_op
 from cookbook.bench.timing import (COPY_BYTES, HIGH_PERCENTILE, L2_FLUSH_FACTOR, LOW_PERCENTILE, MAX_INPUT_SETS,
@@ -123,6 +123,17 @@ def write_outputs(rows, meta, out: Path, results_dir: Path | None) -> None:
         if results_dir is not None:
             write_results_page(op, op_rows, meta, plots, results_dir)
     print(f"\nwrote {out / 'results.csv'}, {out / 'results.json'} and the plots in {out}/")
+    if results_dir is not None:
+        print(pages_note(results_dir))
+
+
+def pages_note(results_dir: Path) -> str:
+    """Where the results pages went, and how to write the pages of record instead."""
+    if Path(results_dir).resolve() == (REPO_ROOT / PAGES_OF_RECORD).resolve():
+        return (f"the results pages in {results_dir}/ are the pages of record: review them with "
+                f"`git diff {PAGES_OF_RECORD}`")
+    return (f"the results pages are in {results_dir}/; the checkout's pages of record ({PAGES_OF_RECORD}/, what the "
+            f"docs link to) are unchanged: write those with --results-dir {PAGES_OF_RECORD}")
 
 
 def results_stem(op: str, meta: dict) -> str:

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from cookbook import registry, sources
-from cookbook.bench.common import (AGREEMENT_SEED, BENCH_ROUNDING, BYTES_PER_GB, COMPILED, DEFAULT_DTYPE, DEVICE,
-                                   EAGER, GB_PER_TB, MIB, call_by_name, checked, dtype_name, error_text, expected_outputs,
-                                   positional, resolve_dtype, resolve_ops, run_and_compare, select_shapes,
-                                   split_available)
+from cookbook.bench.common import (AGREEMENT_SEED, BENCH_ROUNDING, BYTES_PER_GB, COMPILED, DEFAULT_DTYPE, DEFAULT_OUT,
+                                   DEVICE, EAGER, GB_PER_TB, MIB, call_by_name, checked, dtype_name, error_text,
+                                   expected_outputs, positional, resolve_dtype, resolve_ops, resolve_results_dir,
+                                   run_and_compare, select_shapes, split_available)
 from cookbook.bench import peers as bench_peers
 from cookbook.bench.pages import ROW_FIELDS, metadata, write_outputs
 from cookbook.bench.timing import (MEMORY_FRACTION, copy_bandwidth_gb_per_s, l2_bytes, measure, rotating_set_count,
@@ -162,11 +162,12 @@ def add_speedups(rows) -> None:
                 row[column] = medians[baseline] / row["median_us"]
 
 
-def run(ops=None, dtype=DEFAULT_DTYPE, shapes="full", out="bench_out", *, profile=False,
-        results_dir="docs/results", write_results=True, command=None, impls=None, tag=None) -> list[dict]:  # fmt: skip
+def run(ops=None, dtype=DEFAULT_DTYPE, shapes="full", out=DEFAULT_OUT, *, profile=False,
+        results_dir=None, write_results=True, command=None, impls=None, tag=None) -> list[dict]:  # fmt: skip
     """Benchmark every registered implementation on the GPU; returns the result rows (dicts with
     the keys of ROW_FIELDS) and writes them, tables and plots to `out` (and, with
-    `write_results`, the docs pages to `results_dir`). `impls` keeps only the implementations it
+    `write_results`, the results pages to `results_dir`: by default `<out>/pages`; the pages of
+    record with ``results_dir="docs/results"``). `impls` keeps only the implementations it
     names (`select_impls`); `tag` names the pages `<op>_<gpu>_<tag>` so a partial sweep never
     replaces the full one."""
     if not torch.cuda.is_available():
@@ -194,7 +195,7 @@ def run(ops=None, dtype=DEFAULT_DTYPE, shapes="full", out="bench_out", *, profil
         meta["tag"] = tag
     if peer_records:  # peers of other packages ran: their versions and verdicts go on the pages
         meta["peers"] = bench_peers.peer_metadata(peer_records)
-    write_outputs(rows, meta, out, Path(results_dir) if write_results else None)
+    write_outputs(rows, meta, out, resolve_results_dir(out, results_dir) if write_results else None)
     return rows
 
 

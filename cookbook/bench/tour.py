@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import torch
 
@@ -19,11 +18,12 @@ from cookbook.bench.tables import tour_table
 
 def request_simulator() -> None:
     """On a machine without a GPU, ask for Numba's CUDA simulator if Numba has not read its
-    configuration yet (it reads NUMBA_ENABLE_CUDASIM once, at import; `kernels_numba.SIMULATOR`
-    likewise). On a GPU machine the process keeps real Numba kernels: `python -m cookbook tour`
-    turns the simulator on for its own process."""
-    numba_configured = "numba.core.config" in sys.modules or "kernels_numba" in sys.modules
-    if not numba_configured and not torch.cuda.is_available():
+    configuration yet (it reads NUMBA_ENABLE_CUDASIM once, at import). On a GPU machine
+    the process keeps real Numba kernels: `python -m cookbook tour` turns the simulator on for its
+    own process."""
+    from kernels_numba import numba_choice  # does not import Numba
+
+    if numba_choice() is None and not torch.cuda.is_available():
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
 
@@ -97,6 +97,7 @@ def gpu_would_add(ops) -> str:
         "    over rotating input sets (median, p20-p80), in GB/s and % of a device-to-device copy",
         "    measured in the same run, with speedups over PyTorch eager and torch.compile;",
         "  - writes results.csv, results.json and latency / %-of-copy plots to bench_out/, and the",
-        "    results pages docs/results/<op>_<gpu>.md (with plots and JSON) that the docs link to.",
+        "    results pages <op>_<gpu>.md (with plots and JSON) to bench_out/pages/ (the pages of",
+        "    record that the docs link to: --results-dir docs/results).",
     ]
     return "\n".join(lines)

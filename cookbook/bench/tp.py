@@ -35,6 +35,13 @@ decode sizes every set stays in L2 in both methods). The results page of that mo
 ``--propose-dispatch PAGE.json ...`` reads the JSON of full sweeps and prints, per world size,
 which kernel family was fastest at each token count and the kDispatchByWorld row (v12's table in
 kernels_cuda/tp_qk_norm.cuh) those measurements give.
+
+The results pages go to ``<out>/pages`` (``--out``: bench_out); the pages of record that the docs
+link to with ``--results-dir docs/results``.
+
+Exit status: 0 when every implementation agrees; 1 when one does not; 2 when this machine cannot
+run what was asked (the benchmark without 2 or more CUDA GPUs: it says what it needs, and points
+to ``--tour``, which runs on a CPU) or the arguments are wrong.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ B2B_REPLAYS = 100
 PUBLISHED_TP4_H200_US = {1: 2.6, 128: 2.9, 2048: 8.0, 16384: 52.0}
 PUBLISHED_BY = "SGLang's fused TP QK norm (its benchmark: back-to-back graph replays, rank 0's mean)"
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+CANNOT_RUN_HERE = 2  # the exit status where this machine cannot run the benchmark that was asked for
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,14 +97,29 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(nproc: int | None, argv: list[str]) -> int:
-    """Run this module under torchrun with `nproc` ranks (default: 2, or the visible GPUs if fewer)."""
+def launch(nproc: int | None, argv: list[str], *, asked: bool = True) -> int:
+    """Run this module under torchrun with `nproc` ranks (default: 2, or the visible GPUs if fewer).
+    Where this machine cannot, say what it needs: on stderr with exit status CANNOT_RUN_HERE when
+    the benchmark was `asked` for, else (a sweep of every op on one GPU) as a skip, status 0."""
     gpus = torch.cuda.device_count()
-    nproc = nproc or min(DEFAULT_NPROC, gpus)
-    if nproc < 2 or nproc > gpus:
-        print(f"{OP}: needs 2..{gpus} ranks with one GPU each; {gpus} GPU(s) visible, asked for {nproc}: skipped")
-        return 0
-    return _torchrun(nproc, argv, MULTICAST_OFF)
+    ranks = nproc or min(DEFAULT_NPROC, gpus)
+    if 2 <= ranks <= gpus:
+        return _torchrun(ranks, argv, MULTICAST_OFF)
+    why = why_not_here(gpus, nproc)
+    if asked:
+        print(why, file=sys.stderr)
+        return CANNOT_RUN_HERE
+    print(f"{why}\n{OP}: skipped")
+    return 0
+
+
+def why_not_here(gpus: int, nproc: int | None) -> str:
+    """What the benchmark needs that this machine (`gpus` visible, `nproc` ranks asked) lacks."""
+    visible = "no CUDA GPU is visible" if gpus == 0 else f"{gpus} CUDA GPU{'s' if gpus > 1 else ''} visible"
+    asked = f", --nproc {nproc} asked for" if nproc is not None else ""
+    return (f"{OP}: its benchmark needs 2 or more CUDA GPUs on this machine, one process (rank) per GPU, which it "
+            f"starts under torchrun (--nproc N: N ranks, default {DEFAULT_NPROC}); {visible}{asked}.\n"
+            f"Without them, the CPU tour checks the op on gloo ranks: python -m cookbook.bench.tp --tour")
 
 
 def _torchrun(nproc: int, argv: list[str], env: dict) -> int:
@@ -344,20 +367,20 @@ def write_results(rows, meta, out: Path, results_dir: Path | None, quiet: bool =
     (results_dir / f"{stem}.md").write_text("\n".join(page))
     (results_dir / f"{stem}.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
     if not quiet:
-        print(f"wrote {results_dir / (stem + '.md')}")
+        print(f"wrote {results_dir / (stem + '.md')}\n{bench.pages_note(results_dir)}")
 
 
 # --------------------------------------------------------------------------------------------
 # The CPU tour of the collective: gloo ranks, the reference, the Numba pipeline (simulator) and the
 # all-gather baseline on tiny shapes, each checked against the gathered float64 reference.
 # --------------------------------------------------------------------------------------------
-def tour(rank: int, world: int) -> int:
+def tour(rank: int, world: int, dtypes=bench.TOUR_DTYPES) -> int:
     group = dist.group.WORLD
     impls = [impl for impl in registry.implementations(OP) if impl.unavailable("cpu") is None]
     body, failed = [], 0
     for t, q_width, k_width in tp.SIM_SHAPES:
         q_width, k_width = q_width * world // 2, k_width * world // 2  # shard widths as at tp=2
-        for dtype in bench.TOUR_DTYPES:
+        for dtype in dtypes:
             for rounding in bench.ROUNDINGS:
                 full = tp.make_full_inputs(t, q_width, k_width, dtype, seed=bench.TOUR_SEED)
                 want = tp.expected(full, rank, world, bench.EPS, bench.WEIGHT_OFFSET, rounding)
@@ -389,10 +412,12 @@ def tour(rank: int, world: int) -> int:
     return 1 if failed else 0
 
 
-def launch_tour(nproc: int = DEFAULT_NPROC) -> int:
-    """The CPU tour under torchrun: `nproc` gloo ranks on this machine."""
+def launch_tour(nproc: int = DEFAULT_NPROC, dtype: str | None = None) -> int:
+    """The CPU tour under torchrun: `nproc` gloo ranks on this machine, in `dtype` (None: the tour's
+    dtypes, float32 and bfloat16)."""
     path = os.pathsep.join(p for p in (str(bench.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    return _torchrun(nproc, ["--tour"], {"NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": path})
+    argv = ["--tour", *(["--dtype", dtype] if dtype else [])]
+    return _torchrun(nproc, argv, {"NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": path})
 
 
 def metadata(command: str, dtype, world: int, timing_mode: str = GRAPH) -> dict:
@@ -489,9 +514,15 @@ def bench_shapes(which: str, counts: list[int] | None = None) -> list[list[int]]
     return [sh for sh in shapes if counts is None or sh[0] in counts]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cookbook.bench.tp")
-    parser.add_argument("--dtype", default="bfloat16", choices=tuple(bench.DTYPES))
+def arguments() -> argparse.ArgumentParser:
+    """The command line of ``python -m cookbook.bench.tp``."""
+    parser = argparse.ArgumentParser(prog="python -m cookbook.bench.tp",
+                                     description=f"The benchmark of {OP} on 2 or more CUDA GPUs (one rank per GPU, "
+                                                 "under torchrun), or its CPU tour on gloo ranks (--tour).",
+                                     epilog="Exit status: 0 every implementation agrees, 1 one does not, 2 this "
+                                            "machine cannot run what was asked (or bad arguments).")
+    parser.add_argument("--dtype", default=None, choices=tuple(bench.DTYPES),
+                        help="default: bfloat16 (the tour: float32 and bfloat16)")
     parser.add_argument("--shapes", default="full", choices=(*bench.SHAPE_CHOICES, DECODE, MINIMAX),
                         help=f"quick: first, middle and last shapes; {DECODE}: the shapes of at most {DECODE_TOKENS} "
                              f"tokens; {MINIMAX}: MiniMax-M2's widths at every token count")
@@ -501,15 +532,24 @@ def main(argv=None) -> int:
                         help=f"{BACK_TO_BACK}: SGLang's benchmark's method (the module docstring)")
     parser.add_argument("--propose-dispatch", nargs="+", default=None, metavar="PAGE.json",
                         help="print the dispatch table row per world size that these sweeps measured")
-    parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--results-dir", default="docs/results")
+    parser.add_argument("--out", default=bench.DEFAULT_OUT, help="the run's JSON (default: %(default)s)")
+    parser.add_argument("--results-dir", default=None,
+                        help=f"where the results pages go (default: <out>/pages; the pages of record that the docs "
+                             f"link to: --results-dir {bench.PAGES_OF_RECORD})")
     parser.add_argument("--no-results", action="store_true")
-    parser.add_argument("--nproc", type=int, default=None, help="ranks (GPUs) when not already under torchrun")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help=f"ranks (GPUs; the tour: gloo ranks) when not already under torchrun "
+                             f"(default: {DEFAULT_NPROC})")
     parser.add_argument("--impls", default=None, help="comma-separated rows to run (default: all)")
     parser.add_argument("--dump-after", type=float, default=None,
                         help="print every rank's Python stack after this many seconds (where a run that hangs waits)")
     parser.add_argument("--command", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tour", action="store_true", help="the CPU tour on gloo ranks (no timing)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = arguments()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     known = [impl.name for impl in registry.implementations(OP)] + [NCCL_SUMS, SYMM_MEM_SUMS, LOCAL_SHARD]
@@ -521,10 +561,11 @@ def main(argv=None) -> int:
         return 0
     if args.tour:
         if not under_torchrun():
-            return launch_tour(args.nproc or DEFAULT_NPROC)
+            return launch_tour(args.nproc or DEFAULT_NPROC, args.dtype)
         dist.init_process_group("gloo")
         try:
-            return tour(dist.get_rank(), dist.get_world_size())
+            dtypes = (bench.resolve_dtype(args.dtype),) if args.dtype else bench.TOUR_DTYPES
+            return tour(dist.get_rank(), dist.get_world_size(), dtypes)
         finally:
             dist.destroy_process_group()
     if not under_torchrun():
@@ -539,7 +580,7 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
-    dtype = bench.resolve_dtype(args.dtype)
+    dtype = bench.resolve_dtype(args.dtype or bench.DEFAULT_DTYPE)
     meta = metadata(args.command or "python -m cookbook.bench.tp", dtype, world, args.timing)
     rows = []
     try:
@@ -549,7 +590,8 @@ def main(argv=None) -> int:
                               args.timing)
             torch.cuda.empty_cache()
             if rank == 0:
-                write_results(rows, meta, Path(args.out), None if args.no_results else Path(args.results_dir),
+                write_results(rows, meta, Path(args.out),
+                              None if args.no_results else bench.resolve_results_dir(args.out, args.results_dir),
                               quiet=shape != shapes[-1])
     finally:
         dist.barrier()

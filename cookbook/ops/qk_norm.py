@@ -90,6 +90,8 @@ def check_arguments(q, k, q_weight, k_weight, eps, weight_offset, rounding) -> Q
     expect_q = "[tokens..., num_q_heads, head_dim]"
     expect_k = "[tokens..., num_kv_heads, head_dim]"
     C.require_q_k(q, k, expect_q, expect_k)
+    C.require_heads_split("q", q, "num_q_heads", "q_weight", q_weight)
+    C.require_heads_split("k", k, "num_kv_heads", "k_weight", k_weight)
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"k: expected [tokens..., num_kv_heads, head_dim={head_dim}] (the head_dim of q), got {C.describe(k)}")
