@@ -14,17 +14,14 @@
 # %% [markdown]
 # # `qk_norm`: per-head RMSNorm of q and k, from the math to a tuned CUDA kernel
 #
-# One op through every level of the cookbook: why it exists, its math and rounding, the PyTorch
-# reference, the napkin math that says how fast it *can* be, why fusing wins, the Numba kernel,
-# the few helpers every CUDA C kernel is built from, then a **ladder** of six standalone kernels,
-# each fixing one named bottleneck of the one below, up to the tuned kernel and the question
-# "which kernel runs for my call?". Every number is computed here or read from a recorded results
-# page (which names its GPU, date and commit); the code shown is read from the tested sources.
-#
-# It runs on a laptop: without a GPU the Numba kernels run under Numba's CUDA simulator on tiny
-# shapes and the timings come from the recorded pages. The first cell must run first: Numba reads
-# `NUMBA_ENABLE_CUDASIM` once, when it is first imported, and `walkthrough.setup` sets it. Terms
-# in *italics* are in the [glossary](../docs/qk_norm.md#glossary).
+# One op through every level of the cookbook: its math and rounding, the napkin math, why fusing
+# wins, the Numba kernel, the helpers every CUDA C kernel uses, then a **ladder** of six
+# standalone kernels, each fixing one named bottleneck, up to the tuned kernel and "which kernel
+# runs for my call?". Numbers are computed here or read from a recorded results page (GPU, date,
+# commit); code is read from the tested sources. Without a GPU the Numba kernels run under
+# Numba's CUDA simulator and timings come from the recorded pages; the first cell must run first
+# (Numba reads `NUMBA_ENABLE_CUDASIM` once, at its import). Terms in *italics* are in the
+# [glossary](../docs/qk_norm.md#glossary).
 
 # %%
 import sys
@@ -55,8 +52,8 @@ EPS = 1e-6
 # %% [markdown]
 # ## 1. Where per-head QK norm sits
 #
-# Qwen3 and Gemma3 normalize the queries and keys **per head** before the rotary embedding, which
-# keeps attention logits from growing without bound. Hugging Face's Qwen3 attention, in essence:
+# Qwen3 and Gemma3 normalize queries and keys **per head** before the rotary embedding (it keeps
+# attention logits bounded). Hugging Face's Qwen3 attention, in essence:
 #
 # ```python
 # q = self.q_norm(self.q_proj(x).view(*tokens, -1, head_dim))   # RMSNorm over head_dim, weight [head_dim]
@@ -64,12 +61,10 @@ EPS = 1e-6
 # q, k = apply_rotary_pos_emb(q, k, cos, sin)
 # ```
 #
-# Models differ in the details: Gemma3 applies its weight as `(1 + w)` and rounds once, OLMo2
-# normalizes across heads (`cross_head_norm`); [which rounding does my model
-# use](../docs/models.md) has the table, checked against transformers and diffusers. In an engine
-# q, k and v come out of one GEMM, so q and k are **strided views into one fused qkv tensor**, and
-# the norm runs in place on them, with grouped-query attention's fewer kv heads (Qwen3-32B: 64 q
-# heads, 8 kv heads, head_dim 128, the shape we time).
+# Gemma3 applies its weight as `(1 + w)` and rounds once; OLMo2 normalizes across heads
+# (`cross_head_norm`): [which rounding does my model use](../docs/models.md). In an engine q and k
+# are **strided views into one fused qkv tensor**, normalized in place, with fewer kv heads than q
+# heads (Qwen3-32B: 64 and 8, head_dim 128, the shape we time).
 #
 # ## 2. The math and the two rounding orders
 #
@@ -176,10 +171,8 @@ print(f"{len(log.ops)} ATen ops for q and k at {BIG}: {eager_bytes / 1e6:.0f} MB
       f"{eager_bytes / big_bytes:.1f}x the fused minimum of {big_bytes / 1e6:.0f} MB")
 
 # %% [markdown]
-# Each float32 intermediate (`x.to(float32)`, `x^2`, `x * rstd`, `... * w`) is as large as the
-# activations, twice over, and goes through memory. A fused kernel keeps them in registers: it
-# reads each row once, reduces it across the lanes that hold it, and writes it once, q and k in
-# one launch.
+# Each float32 intermediate is twice the activations' size and goes through memory. A fused
+# kernel keeps them in registers: each row read once and written once, q and k in one launch.
 #
 # ## 5. The Numba kernel
 #
@@ -189,7 +182,7 @@ print(f"{len(log.ops)} ATen ops for q and k at {BIG}: {eager_bytes / 1e6:.0f} MB
 # a second pass writes:
 
 # %%
-walkthrough.excerpt("kernels_numba/qk_norm.py", "def make_qk_norm_kernel(act, weight)", "@functools.cache", max_lines=30)
+walkthrough.excerpt("kernels_numba/qk_norm.py", "def make_qk_norm_kernel(act, weight)", "@functools.cache", max_lines=24)
 
 # %% [markdown]
 # Under the simulator there are no warp shuffles: the lanes meet in shared memory behind barriers,
@@ -233,18 +226,13 @@ figures.lane_group(128, 2);
 # %% [markdown]
 # ## 7. The ladder: six CUDA C kernels
 #
-# `kernels_cuda/qk_norm/`: one standalone file per rung, each its own small extension, sharing the
-# row geometry (`rows.cuh`), the launch arguments (`params.h`) and the torch glue (`binding.h`). A
-# file's first line is its lead (the registry repeats it; a test keeps them identical), and the
-# diff from rung n-1 to rung n shows only what the lead says. Each rung is timed at three Qwen3-32B
-# shapes (decode; 1024 and 8192 tokens of prefill) by the benchmark's machinery (agreement first,
-# CUDA-graph replay over rotating inputs, percent of a copy in the same run), or recalled from the
-# recorded sweep without a GPU.
+# `kernels_cuda/qk_norm/`: one file per rung, each its own small extension; a file's first line
+# is its lead (the registry's), and the diff from rung n-1 to n shows only what the lead says. Each
+# rung is timed at three Qwen3-32B shapes by the benchmark's machinery (agreement first, CUDA-graph
+# replay over rotating inputs, percent of a copy in the same run), or recalled without a GPU.
 
 # %%
-LADDER = registry.implementations(OP, ("cuda",))
-for impl in [*LADDER, registry.get(OP, "cuda_tuned")]:
-    print(f"{impl.name:<11} {impl.lead}")
+LADDER = registry.implementations(OP, ("cuda",))  # the rungs; their leads: the page's ladder table
 HEADLINE = [(1, 64, 8, 128), (1024, 64, 8, 128), (8192, 64, 8, 128)]
 measured = walkthrough.measure_or_recall(OP, [impl.name for impl in registry.implementations(OP)], HEADLINE)
 
@@ -330,7 +318,8 @@ walkthrough.effect(measured, "cuda_v5", "cuda_v6")
 # %%
 for shape in ((1, 64, 8, 128), (8192, 8, 1, 128)):
     try:
-        print(cookbook.explain(OP, shape=shape), end="\n\n")
+        answer = str(cookbook.explain(OP, shape=shape))
+        print(answer if shape[0] == 1 else answer[answer.index("kernel:"):], end="\n\n")  # the second: its plan
     except RuntimeError as error:  # without a GPU the host policy needs nvcc
         print(f"explain {shape}: {error}")
 
@@ -387,10 +376,9 @@ walkthrough.agreement_table(OP, AGREE_SHAPES)
 walkthrough.show_sweep(OP)
 
 # %% [markdown]
-# At few tokens every implementation is far below the copy line: the time is launches and
-# latency, so the fused kernels' single launch and short chain of round trips win. As tokens grow
-# the fused kernels become bandwidth-bound and climb towards the copy line, while the eager
-# reference stays far below it, moving several times the minimum bytes.
+# At few tokens the time is launches and latency: one launch and a short chain of round trips
+# win. As tokens grow the fused kernels climb towards the copy line; the eager reference, moving
+# several times the minimum bytes, stays far below it.
 #
 # ## Where to go next
 #
