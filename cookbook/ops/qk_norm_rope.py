@@ -327,6 +327,12 @@ def bytes_moved(q, k, q_weight, k_weight, cos_sin_cache, positions) -> int:
     return act + tokens * per_token + weights
 
 
+def split_scratch_bytes(q, k) -> int:
+    """What a split path (a norm kernel, then a rope kernel) moves on top of `bytes_moved`: every
+    normalized row written to memory in float32 by the first kernel and read back by the second."""
+    return (q.numel() + k.numel()) * 4 * 2
+
+
 def flops(q, k) -> int:
     """About 7 flops per element (norm: 4; rotation: 2 products and a sum per output)."""
     return 7 * (q.numel() + k.numel())
