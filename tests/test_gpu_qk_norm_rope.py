@@ -1,7 +1,8 @@
 """qk_norm_rope on a real GPU: every rung and the tuned kernel at odd and structured shapes, both
-rope layouts, partial rotary, every table storage and alignment; the tuned kernel's policy (the
-kernel a call launches is the one its plan names, at the policy's edges); torch.compile, CUDA
-graphs, opcheck, 64-bit strides, compute-sanitizer.
+rope layouts, partial rotary, every table storage and alignment (the reference and Numba at scale
+too; tests/test_qk_norm_rope.py checks them at every edge); the tuned kernel's policy (the kernel
+a call launches is the one its plan names, at the policy's edges); torch.compile, CUDA graphs,
+opcheck, 64-bit strides, compute-sanitizer.
 
 Skipped on machines without a CUDA GPU (CI); run on an H100/H200."""
 
@@ -55,7 +56,7 @@ def test_shapes_at_scale(impl, shape, dtype, rounding):
     run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding=rounding)
 
 
-@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("impl", COMPILED)
 @pytest.mark.parametrize("tokens", [1, 300, 3001])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("rounding, weight_offset", [("fused", 0.0), ("hf", 1.0)])
@@ -68,7 +69,7 @@ def test_one_trip_to_many(impl, tokens, is_neox, rounding, weight_offset):
     run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=weight_offset, rounding=rounding)
 
 
-@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("impl", COMPILED)
 @pytest.mark.parametrize("heads", [(1, 1), (2, 1), (3, 1), (7, 5), (40, 1), (40, 8), (96, 32), (127, 1)], ids=str)
 def test_every_head_of_every_token(impl, heads):
     """Every (token, head) lands on its own row with its own tensor's weight, for head counts whose
@@ -91,7 +92,7 @@ def _shifted(t, elements):
     return view
 
 
-@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("impl", COMPILED)
 @pytest.mark.parametrize("table", ["cos_sin_cache", "weights", "rows"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
@@ -152,7 +153,7 @@ def test_out_of_range_positions_give_nan(impl, tokens):
         assert verdict.ok, verdict.message
 
 
-@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("impl", COMPILED)
 def test_token_stride_beyond_int32(impl):
     """A row stride over 2^31 elements must not overflow the kernels' index arithmetic."""
     require(impl)
