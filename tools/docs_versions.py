@@ -276,7 +276,7 @@ def rope_extension_registers(op: str) -> dict[str, str]:
                    and (f", {HEAD_DIM}" in k.kernel or impl.version in (1, 2))]
         if impl.version == 1:  # the norm kernel, then the rope kernel
             found[impl.name] = ", ".join(f"{k.kernel.split(own)[1].split('_kernel')[0]} {k.registers}"
-                                         for k in sorted(kernels, key=lambda k: "rope" in k.kernel))
+                                         for k in sorted(kernels, key=lambda k: "_v1_rope_kernel" in k.kernel))
         elif impl.level == "tuned":
             bench = [k for k in kernels if "TableDtype)0, (cookbook::qk_norm_rope::tuned::TableDtype)1" in k.kernel]
             cells = []
