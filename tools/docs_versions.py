@@ -89,10 +89,7 @@ NAMED_KERNELS = {
 # kernel on its (token, tensor) grid (named), v10 the same with the weights loaded with the row
 # (its four-vector kernel named), v11 that kernel warming the row a wave ahead (named), v12 v9's
 # token-major kernel compiled for 128 threads (named), v13 that kernel warming its row before the
-# wait (named), v14 v3's two-vector kernel warming its row on the (tokens, 2) grid (named);
-# qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named; v7's walk, v8's warmed
-# one-row kernel; v9's walk, compiled per storage pair, named for the benchmark's: bf16 weights,
-# a float32 cache).
+# wait (named), v14 v3's two-vector kernel warming its row on the (tokens, 2) grid (named).
 KERNEL_INSTANCES = {
     "qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, false, false, 1, false>",
                 5: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, false, 1, false>",
@@ -113,12 +110,7 @@ KERNEL_INSTANCES = {
                         11: "cross_head_norm_v3_kernel<__nv_bfloat16, 4, false, true, true, false, true, true, 0, false>",
                         12: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false, 128, false>",
                         13: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false, 128, true>",
-                        14: "cross_head_norm_v3_kernel<__nv_bfloat16, 2, false, true, true, false, false, false, 0, true>"},
-    "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false, 0>",
-                     6: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 0>",
-                     7: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 1>",
-                     8: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 3>",
-                     9: "qk_norm_rope_v9_kernel<__nv_bfloat16, 128, false, true, __nv_bfloat16, float>"},
+                        14: "cross_head_norm_v3_kernel<__nv_bfloat16, 2, false, true, true, false, false, false, 0, true>"}
 }
 
 
