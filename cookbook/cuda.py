@@ -1,7 +1,7 @@
 """Builds and loads the CUDA C kernels in `kernels_cuda/`, lazily, in parallel, cached.
 
-Nothing is built at import. An op in the ladder layout (qk_norm) builds one extension per kernel
-file (`kernels_cuda.Extension`): each rung, and the tuned kernel, is its own small library,
+Nothing is built at import. An op in the ladder layout (qk_norm, qk_norm_rope) builds one extension
+per kernel file (`kernels_cuda.Extension`): each rung, and the tuned kernel, is its own small library,
 registering `torch.ops.cookbook.<op>_<stem>`, built from a host binding unit and one nvcc unit per
 dtype and rounding, which ninja compiles in parallel. The first `backend="auto"` call builds only
 the tuned kernel; the benchmark builds every extension it needs at once (`build`), in parallel.
@@ -262,10 +262,9 @@ def cross_head_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, *, v
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox, rope_dim,
-                 position_offset, *, version):
-    load("qk_norm_rope")
-    torch.ops.cookbook.qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, is_neox,
-                                    rope_dim, position_offset, rounding == "hf", version)
+                 position_offset, *, extension: Extension):
+    load_extension(extension)(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, is_neox, rope_dim,
+                              position_offset, rounding == "hf")
 
 
 def tp_qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, group, *, version):

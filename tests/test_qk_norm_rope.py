@@ -21,8 +21,8 @@ from helpers import assert_rejected_untouched, BACKENDS, bad_case, clone_inputs,
 
 OP = "qk_norm_rope"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-FAST_HEAD_DIMS = [64, 128, 256, 512]
-GENERAL_HEAD_DIMS = [96, 80, 130]
+FAST_HEAD_DIMS = [64, 128, 256]  # the vector kernels' (kernels_cuda/qk_norm_rope/)
+GENERAL_HEAD_DIMS = [96, 80, 130, 512]
 
 
 def shape_strategy(impl):
@@ -438,3 +438,118 @@ def test_cpu_tensors_with_cuda_backend():
     fragment = "backend='cuda': expected CUDA tensors, got tensors on cpu"
     assert_rejected_untouched(cookbook.qk_norm_rope, _good(), ValueError, fragment, backend="cuda")
 
+
+
+# ------------------------------------------------------------------------------------------
+# The benchmark's shapes, and the tuned kernel's host policy compiled for the host alone.
+# ------------------------------------------------------------------------------------------
+def test_bench_shapes_hold_the_models_shapes():
+    """Qwen3's decode and prefill, the diffusion transformers' 1024x1024 image attention (FLUX both
+    layouts, Qwen-Image full and partial rope, Z-Image) and two images of 2048 tokens in one call."""
+    wanted = [(1, 32, 8, 128, 128, True), (64, 32, 8, 128, 128, True), (4096, 32, 8, 128, 128, True),
+              (8192, 64, 8, 128, 128, True), (4096, 24, 24, 128, 128, True), (4096, 24, 24, 128, 128, False),
+              (4096, 32, 32, 128, 128, True), (4096, 32, 32, 128, 64, True), (4096, 30, 30, 128, 128, False),
+              (4096, 24, 24, 128, 128, False, 2)]
+    assert all(shape in contract.BENCH_SHAPES for shape in wanted)
+    labels = [contract.bench_case(shape, torch.bfloat16, "meta")[1] for shape in contract.BENCH_SHAPES]
+    assert len(set(labels)) == len(labels), "every bench shape has its own label"
+
+
+def test_bench_case_of_several_sequences():
+    inputs, label = contract.bench_case((8, 2, 1, 64, 64, False, 2), torch.float32, "cpu")
+    assert inputs["positions"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3] and inputs["cos_sin_cache"].shape[0] == 4
+    assert label.endswith("interleaved sequences=2")
+    for bad in ((8, 2, 1, 64, 64, False, 3), (8, 2, 1, 64, 64, False, 0), (8, 2, 1, 64, 64, False, 2, 1)):
+        with pytest.raises(ValueError, match="shape: expected"):
+            contract.bench_case(bad, torch.float32, "cpu")
+
+
+POLICY_DRIVER = r"""
+#include <iostream>
+#include "qk_norm_rope/policy.h"
+using namespace cookbook::qk_norm_rope::tuned;
+int main() {  // per line: T Hq Hk D rope neox weights_fp32 cache_fp32 rows_aligned tables_aligned sms bps_whole bps_steps
+  long t; int hq, hk, d, rope, neox, w, c, rows, tables, sms, whole, steps;
+  while (std::cin >> t >> hq >> hk >> d >> rope >> neox >> w >> c >> rows >> tables >> sms >> whole >> steps) {
+    const Call call{cookbook::DType::kBFloat16, cookbook::Rounding::kFused, t, hq, hk, d, rope,
+                    neox ? Layout::kNeox : Layout::kInterleaved, w ? TableDtype::kFloat32 : TableDtype::kActivation,
+                    c ? TableDtype::kFloat32 : TableDtype::kActivation, rows != 0, tables != 0};
+    std::cout << describe(plan(call, sms, [&](const Kernel& k) { return k.walk == Walk::kWholeTokens ? whole : steps; }))
+              << "---\n";
+  }
+}
+"""
+
+
+@functools.cache
+def _policy_driver(tmp_dir):
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from kernels_cuda import KERNEL_DIR
+
+    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.skip("no host C++ compiler")
+    source, program = Path(tmp_dir) / "driver.cpp", Path(tmp_dir) / "driver"
+    source.write_text(POLICY_DRIVER)
+    # The host compiler alone, with no CUDA include folder: policy.h is plain C++.
+    run = subprocess.run([compiler, "-std=c++20", "-Wall", "-Werror", f"-I{KERNEL_DIR}", str(source), "-o", str(program)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return program
+
+
+def _plans(tmp_path_factory, lines):
+    import subprocess
+
+    program = _policy_driver(str(tmp_path_factory.mktemp("policy")))
+    out = subprocess.run([str(program)], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True).stdout
+    return [dict(line.split("=", 1) for line in block.strip().splitlines()) for block in out.split("---") if block.strip()]
+
+
+# (call, blocks per SM of the whole-token and the steps kernels on 132 SMs) -> walk, grid, steps.
+POLICY_CASES = [
+    ("1 32 8 128 128 1 0 1 1 1 132 4 5", "Walk::kOneRow", 2, 0, 0),             # decode: 40 rows, 2 blocks
+    ("64 32 8 128 128 1 0 1 1 1 132 4 5", "Walk::kOneRow", 80, 0, 0),           # 2560 rows, 80 blocks of 32 rows
+    ("4096 24 24 128 128 1 0 1 1 1 132 4 5", "Walk::kWholeTokens", 528, 352, 0),  # 48 heads: a cycle of 3 blocks
+    ("4096 30 30 128 128 0 0 1 1 1 132 5 5", "Walk::kWholeTokens", 660, 352, 0),  # 60 heads: a cycle of 15 blocks
+    ("8192 64 8 128 128 1 0 1 1 1 132 4 4", "Walk::kSteps", 528, 234, 48),      # the cut (522) lengthens the walk
+    ("8192 64 8 128 128 1 0 1 1 1 132 4 5", "Walk::kSteps", 660, 293, 24),
+    ("2049 40 1 128 128 0 0 1 1 1 132 5 5", "Walk::kSteps", 660, 515, 5),       # 41 heads: 656 blocks, 5 rows not 4
+    ("450 40 1 128 128 1 0 1 1 1 132 4 5", "Walk::kOneRow", 577, 0, 0),         # past the whole-token grid (its cut idles
+                                                                                 # 36 of 528 blocks), within the steps' (660)
+]
+
+
+@pytest.mark.parametrize("line, walk, grid, token_step, head_step", POLICY_CASES, ids=[c[0] for c in POLICY_CASES])
+def test_policy_walks(tmp_path_factory, line, walk, grid, token_step, head_step):
+    (plan,) = _plans(tmp_path_factory, [line])
+    assert plan["walk"] == walk and int(plan["grid"]) == grid, plan
+    assert (int(plan["token_step"]), int(plan["head_step"])) == (token_step, head_step), plan
+    assert plan["programmatic"] == "true" and plan["block"] == "256" and plan["off_vectors"] == "none"
+    rows = int(plan["rows"])
+    if walk != "Walk::kOneRow":  # a walk's steps are the grid's rows in whole tokens and heads
+        heads = sum(map(int, line.split()[1:3]))
+        assert token_step * heads + head_step == grid * int(plan["rows_per_block"]) and rows > grid * 32
+
+
+@pytest.mark.parametrize("line, why", [("64 8 2 96 96 1 0 1 1 1 132 4 5", "head_dim_not_compiled"),
+                                       ("64 8 2 512 512 1 0 1 1 1 132 4 5", "head_dim_not_compiled"),
+                                       ("64 8 2 128 24 1 0 1 1 1 132 4 5", "rope_dim_not_whole_units"),
+                                       ("64 8 2 128 128 1 0 1 0 1 132 4 5", "rows_unaligned"),
+                                       ("64 8 2 128 128 1 0 1 1 0 132 4 5", "tables_unaligned")])
+def test_policy_paths_off_the_vectors(tmp_path_factory, line, why):
+    (plan,) = _plans(tmp_path_factory, [line])
+    assert plan["kernel"].endswith("qk_norm_rope_v2_kernel") and plan["off_vectors"] == why, plan
+    assert int(plan["grid"]) == 64 * 10 // 8 and plan["programmatic"] == "false"
+
+
+def test_policy_kernel_names_its_template_arguments(tmp_path_factory):
+    (plan, empty) = _plans(tmp_path_factory, ["4096 24 24 128 128 0 1 0 1 1 132 5 5", "0 24 24 128 128 0 1 0 1 1 132 5 5"])
+    assert plan["template_values"] == "__nv_bfloat16,0,128,0,1,0,2"
+    assert plan["template_arguments"] == ("T=__nv_bfloat16, kRounding=Rounding::kFused, kHeadDim=128, "
+                                          "kLayout=Layout::kInterleaved, kWeights=TableDtype::kFloat32, "
+                                          "kCache=TableDtype::kActivation, kWalk=Walk::kWholeTokens")
+    assert empty["rows"] == "0" and empty["grid"] == "0"

@@ -1,16 +1,21 @@
 #!/usr/bin/env python3
-"""Old against new in one run on one GPU: qk_norm's tuned kernel against the fastest version of
-an earlier commit, at every bench shape, with the benchmark's own timing.
+"""Old against new in one run on one GPU: an op's tuned kernel against the fastest version of an
+earlier commit, at every bench shape, with the benchmark's own timing.
 
     git archive <commit> kernels_cuda | tar -x -C /tmp/old        # the earlier commit's kernels
     python tools/compare_tuned.py --old-kernels /tmp/old/kernels_cuda --old-commit <commit> --old-version 14
     python tools/compare_tuned.py --old-kernels /tmp/old/kernels_cuda --old-commit <commit> --old-version tuned
+    python tools/compare_tuned.py --op qk_norm_rope --old-kernels /tmp/old/kernels_cuda --old-commit <commit> --old-version 9
 
-The earlier commit's kernels (the older layout: every version in one header, `bindings/qk_norm.cu`
-registering `torch.ops.cookbook.qk_norm(..., version)`; or the ladder layout's tuned kernel, with
-`--old-version tuned`) are built as their own extension beside this checkout's; both are checked against the contract, then timed in the order old, new, new, old
-at every shape (the two timings of each show the run's noise). Writes
-docs/results/qk_norm_<gpu>_tuned_vs_<commit>.{md,json}.
+The earlier commit's kernels (the older layout: every version in one header, `bindings/<op>.cu`
+registering `torch.ops.cookbook.<op>(..., version)`; or the ladder layout's tuned kernel, with
+`--old-version tuned`) are built as their own extension beside this checkout's; both are checked
+against the contract, then timed in the order old, new, new, old at every shape (the two timings
+of each show the run's noise). Writes docs/results/<op>_<gpu>_tuned_vs_<commit>.{md,json}.
+`--build-only` builds both and stops (the older layout's one translation unit takes minutes:
+start it early, beside other work; the timing run then loads it from the cache).
+
+How each op's kernels are called is its entry of OPS below.
 """
 
 from __future__ import annotations
@@ -30,8 +35,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cookbook import bench, cuda, registry  # noqa: E402
 from cookbook.bench import sweep  # noqa: E402
 
-OP = "qk_norm"
 ORDER = ("old", "new", "new", "old")  # each timed twice, interleaved
+
+
+# ---- the ops: how the tool calls an extension's torch op with the registry's arguments ----------
+def _qk_norm_call(op, *version):
+    """The registry's qk_norm arguments -> op(q, k, q_weight, k_weight, eps, weight_offset, hf[, version])."""
+    def run(q, k, q_weight, k_weight, eps, weight_offset, rounding):
+        op(q, k, q_weight, k_weight, eps, weight_offset, rounding == "hf", *version)
+
+    return run
+
+
+def _qk_norm_rope_call(op, *version):
+    """The registry's qk_norm_rope arguments -> op(q, k, q_weight, k_weight, cos_sin_cache,
+    positions, eps, weight_offset, is_neox, rope_dim, position_offset, hf[, version])."""
+    def run(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox, rope_dim,
+            position_offset):
+        op(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, is_neox, rope_dim, position_offset,
+           rounding == "hf", *version)
+
+    return run
+
+
+OPS = {"qk_norm": _qk_norm_call, "qk_norm_rope": _qk_norm_rope_call}
 
 
 @dataclass
@@ -44,18 +71,18 @@ class Candidate:
     fn: object
 
 
-def old_tuned_candidate(kernels: Path, commit: str) -> Candidate:
-    """The tuned kernel of an earlier commit in the ladder layout (`kernels_cuda/qk_norm/tuned.cuh`),
-    built as its own extension `cookbook::qk_norm_tuned_<commit>` from the earlier sources."""
+def old_tuned_candidate(op: str, kernels: Path, commit: str) -> Candidate:
+    """The tuned kernel of an earlier commit in the ladder layout (`kernels_cuda/<op>/tuned.cuh`),
+    built as its own extension `cookbook::<op>_tuned_<commit>` from the earlier sources."""
     from torch.utils import cpp_extension
 
     from kernels_cuda import Extension
 
-    ext = Extension(OP, f"{OP}/tuned.cuh")
-    name = f"{OP}_tuned_{commit}"
+    ext = Extension(op, f"{op}/tuned.cuh")
+    name = f"{op}_tuned_{commit}"
     directory = Path(cuda._build_root()) / f"{name}-old"
     directory.mkdir(parents=True, exist_ok=True)
-    units = {"binding.cpp": f'#include "{OP}/binding.h"\nCOOKBOOK_QK_NORM_EXTENSION({name}, {ext.namespace})\n'}
+    units = {"binding.cpp": f'#include "{op}/binding.h"\nCOOKBOOK_{op.upper()}_EXTENSION({name}, {ext.namespace})\n'}
     for file_name, text in ext.kernel_units().items():  # the launchers only: an earlier commit has no explain
         units[file_name] = "".join(line + "\n" for line in text.splitlines() if "::explain<" not in line)
     for file_name, text in units.items():
@@ -65,30 +92,27 @@ def old_tuned_candidate(kernels: Path, commit: str) -> Candidate:
                            extra_include_paths=[str(kernels)], extra_cflags=cuda.CXX_FLAGS,
                            extra_cuda_cflags=cuda.CUDA_FLAGS, build_directory=str(directory), is_python_module=False)
 
-    def run(q, k, q_weight, k_weight, eps, weight_offset, rounding):
-        getattr(torch.ops.cookbook, name)(q, k, q_weight, k_weight, eps, weight_offset, rounding == "hf")
-
-    return Candidate(f"cuda_tuned@{commit}", "tuned", 0, run)
+    return Candidate(f"cuda_tuned@{commit}", "tuned", 0, OPS[op](getattr(torch.ops.cookbook, name)))
 
 
-def old_candidate(kernels: Path, commit: str, version: int) -> Candidate:
+def old_candidate(op: str, kernels: Path, commit: str, version: int) -> Candidate:
+    """Version `version` of an earlier commit's older layout: `kernels_cuda/<op>.cuh` through
+    `bindings/<op>.cu` (one translation unit), registering `cookbook::<op>(..., version)`."""
     from torch.utils import cpp_extension
 
-    directory = Path(cuda._build_root()) / f"qk_norm-old-{commit}"
+    directory = Path(cuda._build_root()) / f"{op}-old-{commit}"
     directory.mkdir(parents=True, exist_ok=True)
     with cuda._build_environment(jobs=None), cuda._build_lock(directory):
-        cpp_extension.load(name=f"cookbook_qk_norm_{commit}", sources=[str(kernels / "bindings" / "qk_norm.cu")],
+        cpp_extension.load(name=f"cookbook_{op}_{commit}", sources=[str(kernels / "bindings" / f"{op}.cu")],
                            extra_include_paths=[str(kernels)], extra_cflags=cuda.CXX_FLAGS,
                            extra_cuda_cflags=cuda.CUDA_FLAGS, build_directory=str(directory), is_python_module=False)
-
-    def run(q, k, q_weight, k_weight, eps, weight_offset, rounding):
-        torch.ops.cookbook.qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding == "hf", version)
-
-    return Candidate(f"cuda_v{version}@{commit}", "cuda", version, run)
+    return Candidate(f"cuda_v{version}@{commit}", "cuda", version, OPS[op](getattr(torch.ops.cookbook, op), version))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--op", default="qk_norm", choices=sorted(OPS))
+    parser.add_argument("--build-only", action="store_true", help="build both candidates' extensions, time nothing")
     parser.add_argument("--old-kernels", type=Path, required=True, help="the earlier commit's kernels_cuda/")
     parser.add_argument("--old-commit", required=True)
     parser.add_argument("--old-version", required=True,
@@ -97,19 +121,23 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     command = shlex.join(["python", "tools/compare_tuned.py", *(argv if argv is not None else sys.argv[1:])])
 
-    tuned = registry.get(OP, "cuda_tuned")
+    op = args.op
+    tuned = registry.get(op, "cuda_tuned")
     cuda.build([tuned.extension])
     if args.old_version == "tuned":
-        old = old_tuned_candidate(args.old_kernels.resolve(), args.old_commit)
+        old = old_tuned_candidate(op, args.old_kernels.resolve(), args.old_commit)
     else:
-        old = old_candidate(args.old_kernels.resolve(), args.old_commit, int(args.old_version))
+        old = old_candidate(op, args.old_kernels.resolve(), args.old_commit, int(args.old_version))
+    if args.build_only:
+        print(f"built {old.name} and {tuned.name}")
+        return 0
     new = Candidate(tuned.name, tuned.level, tuned.version, tuned.fn)
-    contract = registry.contract(OP)
+    contract = registry.contract(op)
     copy_gb_per_s = bench.copy_bandwidth_gb_per_s()
     progress = bench.Progress(len(contract.BENCH_SHAPES) * len(ORDER))
     rows = []
     for shape in contract.BENCH_SHAPES:
-        case = bench.prepare_shape(OP, contract, shape, bench.DEFAULT_DTYPE)
+        case = bench.prepare_shape(op, contract, shape, bench.DEFAULT_DTYPE)
         timed = []
         for which in ORDER:
             candidate = old if which == "old" else new
@@ -127,17 +155,17 @@ def main(argv=None) -> int:
     progress.close()
     meta = bench.metadata(command, copy_gb_per_s, bench.DEFAULT_DTYPE)
     meta["old"] = {"commit": args.old_commit, "implementation": old.name}
-    write(rows, meta, args.results_dir, old.name)
+    write(op, rows, meta, args.results_dir, old.name)
     return 0
 
 
-def write(rows, meta, results_dir: Path, old_name: str) -> None:
+def write(op: str, rows, meta, results_dir: Path, old_name: str) -> None:
     body = [[r["label"], " / ".join(f"{us:.2f}" for us in r["old_us"]), " / ".join(f"{us:.2f}" for us in r["new_us"]),
              f"{r['ratio']:.3f}", f"{r['old_pct']:.1f} %", f"{r['new_pct']:.1f} %"] for r in rows]
     table = bench.markdown_table(["shape", f"{old_name} us (1st / 2nd)", "cuda_tuned us (1st / 2nd)",
                                   "best new / best old", "old % of copy", "new % of copy"], body)
-    stem = f"{OP}_{meta['gpu_slug']}_tuned_vs_{meta['old']['commit']}"
-    page = [f"# qk_norm: the tuned kernel against {old_name}, one run, {meta['gpu']}", "",
+    stem = f"{op}_{meta['gpu_slug']}_tuned_vs_{meta['old']['commit']}"
+    page = [f"# {op}: the tuned kernel against {old_name}, one run, {meta['gpu']}", "",
             "Written by `tools/compare_tuned.py`: do not edit by hand, run the command again.", "",
             f"- GPU: {meta['gpu']}; torch {meta['torch']}, CUDA {meta['cuda']}",
             f"- date: {meta['date']}; commit: {meta['commit']}; old: {meta['old']['commit']}",

@@ -37,7 +37,12 @@ RESULTS_DIR = Path(__file__).resolve().parents[1] / "docs" / "results"
 RECORDED_GPU = "h200"  # the sweep the docs quote
 # The ladder table's columns: the shapes (bench labels) that show each rung's effect.
 HEADLINE_SHAPES = {"qk_norm": ["T=1 Hq=64 Hk=8 D=128", "T=1024 Hq=64 Hk=8 D=128", "T=8192 Hq=64 Hk=8 D=128",
-                               "T=8192 Hq=8 Hk=1 D=128"]}
+                               "T=8192 Hq=8 Hk=1 D=128"],
+                   "qk_norm_rope": ["T=1 Hq=32 Hk=8 D=128 rope=128 neox", "T=64 Hq=32 Hk=8 D=128 rope=128 neox",
+                                    "T=4096 Hq=24 Hk=24 D=128 rope=128 neox", "T=8192 Hq=64 Hk=8 D=128 rope=128 neox"]}
+# Ops whose recorded sweep may come from another GPU where the docs' one has none (qk_norm_rope's
+# ladder was first measured on an H100).
+OTHER_RECORDED_GPUS = {"qk_norm_rope": ("h100",)}
 # Ops whose integer template argument is 16-byte vectors per thread, not head_dim.
 VECTORS_PER_THREAD_OPS = {"cross_head_norm"}
 
@@ -84,10 +89,7 @@ NAMED_KERNELS = {
 # kernel on its (token, tensor) grid (named), v10 the same with the weights loaded with the row
 # (its four-vector kernel named), v11 that kernel warming the row a wave ahead (named), v12 v9's
 # token-major kernel compiled for 128 threads (named), v13 that kernel warming its row before the
-# wait (named), v14 v3's two-vector kernel warming its row on the (tokens, 2) grid (named);
-# qk_norm_rope v5 and v6 are compiled per layout (the NeoX one named; v7's walk, v8's warmed
-# one-row kernel; v9's walk, compiled per storage pair, named for the benchmark's: bf16 weights,
-# a float32 cache).
+# wait (named), v14 v3's two-vector kernel warming its row on the (tokens, 2) grid (named).
 KERNEL_INSTANCES = {
     "qk_norm": {4: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, false, false, 1, false>",
                 5: "qk_norm_v3_kernel<__nv_bfloat16, 128, false, unsigned int, true, false, 1, false>",
@@ -108,12 +110,7 @@ KERNEL_INSTANCES = {
                         11: "cross_head_norm_v3_kernel<__nv_bfloat16, 4, false, true, true, false, true, true, 0, false>",
                         12: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false, 128, false>",
                         13: "cross_head_norm_v3_kernel<__nv_bfloat16, 8, false, true, true, true, false, false, 128, true>",
-                        14: "cross_head_norm_v3_kernel<__nv_bfloat16, 2, false, true, true, false, false, false, 0, true>"},
-    "qk_norm_rope": {5: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, false, 0>",
-                     6: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 0>",
-                     7: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 1>",
-                     8: "qk_norm_rope_v5_kernel<__nv_bfloat16, 128, false, true, true, 3>",
-                     9: "qk_norm_rope_v9_kernel<__nv_bfloat16, 128, false, true, __nv_bfloat16, float>"},
+                        14: "cross_head_norm_v3_kernel<__nv_bfloat16, 2, false, true, true, false, false, false, 0, true>"}
 }
 
 
@@ -189,8 +186,11 @@ def table(op: str) -> str:
 # The ladder layout: the ladder table and the results table, from the recorded sweep.
 # --------------------------------------------------------------------------------------------
 def recorded_path(op: str, tag: str | None = None) -> Path:
-    """docs/results/<op>_<gpu>[_<tag>].json: the recorded sweep (`tag`: a partial sweep's, e.g. `--tag peers`)."""
-    return RESULTS_DIR / f"{op}_{RECORDED_GPU}{'_' + tag if tag else ''}.json"
+    """docs/results/<op>_<gpu>[_<tag>].json: the recorded sweep (`tag`: a partial sweep's, e.g. `--tag peers`);
+    the docs' GPU first, then the op's OTHER_RECORDED_GPUS."""
+    paths = [RESULTS_DIR / f"{op}_{gpu}{'_' + tag if tag else ''}.json"
+             for gpu in (RECORDED_GPU, *OTHER_RECORDED_GPUS.get(op, ()))]
+    return next((path for path in paths if path.exists()), paths[0])
 
 
 def recorded_rows(op: str, tag: str | None = None) -> tuple[dict, dict]:
@@ -212,6 +212,8 @@ def extension_registers(op: str) -> dict[str, str]:
     """{implementation: registers of its bf16 fused-rounding kernels at head_dim 128}, or {} without nvcc."""
     if nvcc_report.nvcc() is None:
         return {}
+    if op in EXTENSION_REGISTERS:
+        return EXTENSION_REGISTERS[op](op)
     found = {}
     for impl in registry.implementations(op, registry.COMPILED_LEVELS):
         own = f"{op}_{impl.extension.stem}_kernel<__nv_bfloat16, (cookbook::Rounding)0"  # not a fallback's
@@ -233,16 +235,78 @@ def ladder_table(op: str) -> str:
     rows, meta = recorded_rows(op)
     shapes = HEADLINE_SHAPES[op]
     registers = extension_registers(op)
-    lines = [f"| rung | what it changes, and which bottleneck it removes | registers | {' | '.join(shapes)} |",
-             "|---|---|---|" + "---|" * len(shapes)]
+    moved = LADDER_BYTES[op](op) if op in LADDER_BYTES else None
+    bytes_header = f" {moved[0]} |" if moved else ""
+    lines = [f"| rung | what it changes, and which bottleneck it removes | registers |{bytes_header} {' | '.join(shapes)} |",
+             "|---|---|---|" + ("---|" if moved else "") + "---|" * len(shapes)]
     for impl in registry.implementations(op, ("reference",) + registry.COMPILED_LEVELS):
         rung = f"v{impl.version}" if impl.level == "cuda" else impl.name.removeprefix("cuda_")
         cells = [_time_cell(rows.get((impl.name, shape))) for shape in shapes]
-        lines.append(f"| {rung} | {impl.lead} | {registers.get(impl.name, '-')} | {' | '.join(cells)} |")
+        bytes_cell = f" {moved[1].get(impl.name, '-')} |" if moved else ""
+        lines.append(f"| {rung} | {impl.lead} | {registers.get(impl.name, '-')} |{bytes_cell} {' | '.join(cells)} |")
     when = f"{meta['gpu']}, {meta['date'][:10]}, commit {meta['commit']}" if meta else "no recorded sweep"
+    note = f"; {moved[2]}" if moved else ""
     lines += ["", f"(time per call and percent of the device copy: {when}, bf16, fused rounding; registers: ptxas for "
-                  f"{nvcc_report.DEFAULT_ARCH}, bf16, fused rounding, head_dim {HEAD_DIM} where specialized.)"]
+                  f"{nvcc_report.DEFAULT_ARCH}, bf16, fused rounding, head_dim {HEAD_DIM} where specialized{note}.)"]
     return "\n".join(lines)
+
+
+# ---- qk_norm_rope's ladder: its registers per kernel and the bytes each rung moves ---------------
+ROPE_BYTES_SHAPE = 3  # BENCH_SHAPES index: flux_1024 with NeoX pairs, the ladder's bytes column
+
+
+def rope_extension_registers(op: str) -> dict[str, str]:
+    """{implementation: its bf16 fused-rounding kernels' registers at head_dim 128}: v1's two
+    kernels; v5 on, the kernels of the benchmark's tables (bf16 weights, a float32 cache) per rope
+    layout; the tuned kernel's per walk."""
+    found = {}
+    for impl in registry.implementations(op, registry.COMPILED_LEVELS):
+        stem = impl.extension.stem
+        own = f"{op}_{stem}_"
+        kernels = [k for k in nvcc_report.compile_extension(impl.extension.name)
+                   if own in k.kernel and "__nv_bfloat16, (cookbook::Rounding)0" in k.kernel
+                   and (f", {HEAD_DIM}" in k.kernel or impl.version in (1, 2))]
+        if impl.version == 1:  # the norm kernel, then the rope kernel
+            found[impl.name] = ", ".join(f"{k.kernel.split(own)[1].split('_kernel')[0]} {k.registers}"
+                                         for k in sorted(kernels, key=lambda k: "_v1_rope_kernel" in k.kernel))
+        elif impl.level == "tuned":
+            bench = [k for k in kernels if "TableDtype)0, (cookbook::qk_norm_rope::tuned::TableDtype)1" in k.kernel]
+            cells = []
+            for walk, name in ((0, "one row"), (2, "whole tokens"), (1, "steps")):
+                regs = {layout: k.registers for k in bench for layout in (0, 1)
+                        if k.kernel.split("(cookbook::qk_norm_rope::tuned::Layout)")[1].startswith(str(layout))
+                        and k.kernel.split("(cookbook::qk_norm_rope::tuned::Walk)")[1].startswith(str(walk))}
+                cells.append(f"{name} {regs.get(1, '-')}/{regs.get(0, '-')}")
+            found[impl.name] = "; ".join(cells) + " (NeoX/interleaved)"
+        elif impl.version >= 5:
+            regs = {layout: k.registers for k in kernels for layout in ("true", "false")
+                    if f", {HEAD_DIM}, {layout}, __nv_bfloat16, float>" in k.kernel}
+            found[impl.name] = f"{regs.get('true', '-')}/{regs.get('false', '-')} (NeoX/interleaved)"
+        else:
+            found[impl.name] = ", ".join(sorted({str(k.registers) for k in kernels}))
+    return found
+
+
+def rope_ladder_bytes(op: str) -> tuple[str, dict[str, str], str]:
+    """(column header, {implementation: MB}, note): the bytes each rung moves through memory at
+    flux_1024, from the contract's model: q and k read and written once, the tables once; the split
+    path's float32 rows written and read back on top."""
+    import torch
+
+    contract = registry.contract(op)
+    shape = contract.BENCH_SHAPES[ROPE_BYTES_SHAPE]
+    inputs, label = contract.bench_case(shape, torch.bfloat16, "meta")
+    rope = inputs.pop("rope")
+    a = contract.check_inputs(**inputs, eps=1e-6, weight_offset=0.0, rounding="fused", rope=rope)
+    fused = contract.bytes_moved(a.q, a.k, a.q_weight, a.k_weight, a.cos_sin_cache, a.positions)
+    split = fused + contract.split_scratch_bytes(a.q, a.k)
+    moved = {impl.name: f"{(split if impl.version == 1 else fused) / 1e6:.0f}"
+             for impl in registry.implementations(op, registry.COMPILED_LEVELS)}
+    return "MB moved", moved, f"MB moved: at {label}, the contract's bytes model, the split path's float32 rows on top"
+
+
+EXTENSION_REGISTERS = {"qk_norm_rope": rope_extension_registers}
+LADDER_BYTES = {"qk_norm_rope": rope_ladder_bytes}
 
 
 def results_table(op: str, tag: str | None = None) -> str:

@@ -318,7 +318,8 @@ TOLERANCES = {
 
 def bytes_moved(q, k, q_weight, k_weight, cos_sin_cache, positions) -> int:
     """Fewest bytes a launch must move: q and k read and written once, each token's position and
-    cache row read once (the benchmark's positions are distinct), the weights once."""
+    cache row read once, the weights once. (Where positions repeat, as in the benchmark's
+    sequences, a cache row is counted once per token: under 1 % of the bytes at its shapes.)"""
     act = (q.numel() + k.numel()) * q.element_size() * 2
     tokens = positions.numel()
     per_token = positions.element_size() + cos_sin_cache.shape[1] * cos_sin_cache.element_size()
@@ -326,32 +327,52 @@ def bytes_moved(q, k, q_weight, k_weight, cos_sin_cache, positions) -> int:
     return act + tokens * per_token + weights
 
 
+def split_scratch_bytes(q, k) -> int:
+    """What a split path (a norm kernel, then a rope kernel) moves on top of `bytes_moved`: every
+    normalized row written to memory in float32 by the first kernel and read back by the second."""
+    return (q.numel() + k.numel()) * 4 * 2
+
+
 def flops(q, k) -> int:
     """About 7 flops per element (norm: 4; rotation: 2 products and a sum per output)."""
     return 7 * (q.numel() + k.numel())
 
 
-# Shapes the benchmark sweeps: (tokens, q heads, kv heads, head_dim, rope_dim, is_neox).
+# Shapes the benchmark sweeps: (tokens, q heads, kv heads, head_dim, rope_dim, is_neox[, sequences]).
+# Qwen3's decode and prefill (NeoX, head_dim 128; 8B: 32/8 heads, 32B: 64/8), the diffusion
+# transformers' image attention at 1024x1024 (4096 image tokens: FLUX 24 heads, Qwen-Image 32, with
+# its partial rotary variant, Z-Image 30; interleaved where the model rotates complex pairs) and
+# two 2048-token images in one call (their positions repeat), and a head_dim-256 interleaved case
+# with a rope_dim that is not a power of two. A seventh element splits the tokens into that many
+# sequences of equal length, each with positions 0, 1, ...
 BENCH_SHAPES = [
-    (1, 32, 8, 128, 128, True),
-    (64, 32, 8, 128, 128, True),  # decode
-    (4096, 24, 24, 128, 128, True),  # flux_1024
-    (4096, 24, 24, 128, 128, False),  # flux_1024, interleaved
+    (1, 32, 8, 128, 128, True),  # Qwen3-8B decode, one sequence
+    (64, 32, 8, 128, 128, True),  # Qwen3-8B decode, 64 sequences
+    (4096, 32, 8, 128, 128, True),  # Qwen3-8B prefill
+    (4096, 24, 24, 128, 128, True),  # flux_1024, NeoX
+    (4096, 24, 24, 128, 128, False),  # flux_1024
     (4096, 32, 32, 128, 128, True),  # qwen_image_1024
     (4096, 32, 32, 128, 64, True),  # qwen_image_partial
-    (8192, 64, 8, 128, 128, True),
+    (4096, 30, 30, 128, 128, False),  # zimage_1024
+    (4096, 24, 24, 128, 128, False, 2),  # batch2_medium: two images of 2048 tokens
+    (8192, 64, 8, 128, 128, True),  # Qwen3-32B prefill
     (2048, 16, 4, 256, 96, False),
 ]
 SIM_SHAPES = [(2, 2, 1, 64, 64, True), (3, 2, 1, 32, 12, False)]
 
 
 def bench_case(shape, dtype, device, seed=0):
-    """(kwargs, label) for one benchmark shape; q and k as views of one fused qkv tensor,
-    positions 0..T-1 (an image's patches), a float32 cache."""
-    t, hq, hk, d, rope_dim, is_neox = shape
+    """(kwargs, label) for one benchmark shape; q and k as views of one fused qkv tensor, a float32
+    cache, positions 0..T-1 (an image's patches), or 0..T/S-1 per sequence for S sequences."""
+    t, hq, hk, d, rope_dim, is_neox, *rest = shape
+    sequences = rest[0] if rest else 1
+    if len(rest) > 1 or not isinstance(sequences, int) or sequences < 1 or t % sequences:
+        raise ValueError(f"shape: expected (tokens, q heads, kv heads, head_dim, rope_dim, is_neox[, sequences "
+                         f"dividing tokens]), got {shape!r}")
     inputs = make_inputs(t, hq, hk, d, rope_dim, is_neox, dtype, device, seed=seed, fused_qkv=True,
-                         max_position=max(t, 1))
+                         max_position=max(t // sequences, 1))
     if torch.device(device).type != "meta":
-        inputs["positions"] = torch.arange(t, dtype=torch.int64, device=device)
+        inputs["positions"] = torch.arange(t // sequences, dtype=torch.int64, device=device).repeat(sequences)
     layout = "neox" if is_neox else "interleaved"
-    return inputs, f"T={t} Hq={hq} Hk={hk} D={d} rope={rope_dim} {layout}"
+    label = f"T={t} Hq={hq} Hk={hk} D={d} rope={rope_dim} {layout}"
+    return inputs, label + (f" sequences={sequences}" if sequences > 1 else "")
