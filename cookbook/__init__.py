@@ -2,7 +2,7 @@
 
 The ops (each in place on q and k, each with ``backend="auto" | "cuda" | "numba" | "reference"``):
 
-* `qk_norm`: per-head RMSNorm of q and k (Qwen3, Gemma3, OLMo);
+* `qk_norm`: per-head RMSNorm of q and k (Qwen3, Gemma3);
 * `cross_head_norm`: RMSNorm over each token's whole q row and k row (OLMo2, Wan, MiniMax);
 * `tp_qk_norm`: `cross_head_norm` over tensor-parallel column shards (a collective);
 * `qk_norm_rope`: per-head RMSNorm then rotary embedding, in one pass (FLUX, Qwen-Image, Qwen3).

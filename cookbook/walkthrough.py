@@ -91,10 +91,46 @@ def _version(distribution: str) -> str:
         return "not installed"
 
 
-def setup() -> Session:
+# Warnings a learner can do nothing about: Numba's note that a tiny grid under-fills the GPU (the
+# walkthroughs run tiny shapes on purpose), the profiler's note on its cycles (the dispatch checks
+# profile one call), TorchScript's deprecation (torch.compile's internals), and the optional backends
+# a peer package logs it could not import.
+QUIET_WARNINGS = (r".*Grid size \d+ will likely result in GPU under-utilization.*",
+                  r".*Host array used in CUDA kernel will incur copy overhead.*",
+                  r".*Profiler clears events at the end of each cycle.*",
+                  r".*torch\.jit\.script_method. is deprecated.*")
+QUIET_LOGGERS = ("liger_kernel",)
+
+
+def quiet() -> None:
+    """Silence QUIET_WARNINGS and QUIET_LOGGERS' messages below errors."""
+    import logging
+    import warnings
+
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def provenance(ops) -> str:
+    """The line every notebook prints first: the commit it ran at, and the fingerprint of the
+    sources of each op it shows (tests/test_freshness.py compares them with today's)."""
+    import datetime
+
+    from cookbook import sources
+
+    prints = ", ".join(f"{op} {fp}" for op, fp in sources.fingerprints(ops).items())
+    day = datetime.date.today().isoformat()
+    return f"ran at commit {bench.git_commit()} on {day}; sources: {prints}"
+
+
+def setup(*ops: str) -> Session:
     """The first call of every notebook. Without a GPU it sets ``NUMBA_ENABLE_CUDASIM=1`` (unless
-    you chose otherwise) while Numba is not imported yet; then prints the device, the versions
-    and the checkout."""
+    you chose otherwise) while Numba is not imported yet; then prints the commit and the
+    fingerprints of the sources of `ops` (every op by default), the device, the versions and the
+    checkout, and silences the warnings a learner can do nothing about."""
+    quiet()
     on_gpu = torch.cuda.is_available()
     if not on_gpu and "NUMBA_ENABLE_CUDASIM" not in os.environ:
         if numba_imported():
@@ -109,6 +145,7 @@ def setup() -> Session:
     numba = "under the CUDA simulator" if SIMULATOR else "on the GPU" if on_gpu else "off"
     from cookbook import nvcc_report
 
+    print(provenance(ops or registry.ops()))
     print(f"device: {device}; Numba kernels: {numba}")
     print(f"python {platform.python_version()}, torch {torch.__version__}, numba {_version('numba')}, "
           f"numba-cuda {_version('numba-cuda')}; nvcc: {'yes' if nvcc_report.nvcc() else 'not on PATH'}")
@@ -632,10 +669,17 @@ def rung_files(op: str, n: int) -> tuple[Path, Path]:
     return tuple(Path("kernels_cuda") / rungs[v].kernel for v in (n - 1, n))
 
 
-def rung_diff(op: str, n: int, context: int = DIFF_CONTEXT) -> list[str]:
-    """The unified diff of rung n-1's kernel file into rung n's, line by line."""
+def _is_comment(line: str) -> bool:
+    return line.lstrip().startswith("//")
+
+
+def rung_diff(op: str, n: int, context: int = DIFF_CONTEXT, code_only: bool = False) -> list[str]:
+    """The unified diff of rung n-1's kernel file into rung n's, line by line; `code_only`: of
+    their lines that are not whole-line comments (the lead and the prose that explains it)."""
     before, after = rung_files(op, n)
     a, b = (_source_lines(path)[1] for path in (before, after))
+    if code_only:
+        a, b = ([line for line in lines if not _is_comment(line)] for lines in (a, b))
     return list(difflib.unified_diff(a, b, before.as_posix(), after.as_posix(), n=context, lineterm=""))
 
 
@@ -671,9 +715,11 @@ def diff_pages(diff: list[str], max_lines: int = DIFF_PAGE_LINES) -> list[list[s
     return pages
 
 
-def diff_rungs(op: str, n: int, part: int = 1, *, context: int = DIFF_CONTEXT, max_lines: int = DIFF_PAGE_LINES) -> None:
-    """Print the diff of rung n-1 into rung n (part `part` where it is longer than `max_lines`)."""
-    pages = diff_pages(rung_diff(op, n, context), max_lines)
+def diff_rungs(op: str, n: int, part: int = 1, *, context: int = DIFF_CONTEXT, max_lines: int = DIFF_PAGE_LINES,
+               code_only: bool = False) -> None:
+    """Print the diff of rung n-1 into rung n (part `part` where it is longer than `max_lines`;
+    `code_only`: without whole-line comments)."""
+    pages = diff_pages(rung_diff(op, n, context, code_only), max_lines)
     if not 1 <= part <= len(pages):
         raise ValueError(f"part: expected 1 to {len(pages)}, got {part}")
     print("\n".join(pages[part - 1]))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from cookbook import registry
+from cookbook import registry, sources
 from cookbook.bench.common import (AGREEMENT_SEED, BENCH_ROUNDING, BYTES_PER_GB, COMPILED, DEFAULT_DTYPE, DEVICE,
                                    EAGER, GB_PER_TB, MIB, call_by_name, checked, dtype_name, error_text, expected_outputs,
                                    positional, resolve_dtype, resolve_ops, run_and_compare, select_shapes,
@@ -189,6 +189,7 @@ def run(ops=None, dtype=DEFAULT_DTYPE, shapes="full", out="bench_out", *, profil
     progress.close()
     meta = metadata(command or f"cookbook.bench.run(ops={ops}, dtype={dtype_name(dtype)}, shapes={shapes!r})",
                     copy_gb_per_s, dtype)
+    meta["sources"] = sources.fingerprints(dict.fromkeys(row["op"] for row in rows))  # what the pages show
     if tag:
         meta["tag"] = tag
     if peer_records:  # peers of other packages ran: their versions and verdicts go on the pages

@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cookbook import bench, registry
+from cookbook import bench, registry, sources
 from cookbook.ops import tp_qk_norm as tp
 from cookbook.testing import agreement
 
@@ -403,6 +403,7 @@ def metadata(command: str, dtype, world: int, timing_mode: str = GRAPH) -> dict:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": bench.git_commit(), "command": command, "dtype": bench.dtype_name(dtype),
+        "sources": sources.fingerprints(["tp_qk_norm"]),
         "timing_mode": timing_mode,
         "timing": (f"median of {TIMED_REPLAYS} CUDA-graph replays (each after a cross-rank barrier, "
                    f"{WARMUP_REPLAYS} warm-up replays), per call = replay / calls per replay, slowest rank"

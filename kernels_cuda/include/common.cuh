@@ -391,7 +391,7 @@ __device__ __forceinline__ void warm_l2(const void* address) {
 
 // What one prefetch.global.L2 brings in: the cache line holding the address, 128 bytes in
 // Hopper's L2, so a kernel warming a row asks once per line, not once per 16-byte vector
-// (qk_norm v13 and cross_head_norm v11 warm rows a wave of blocks ahead).
+// (the tuned kernels that warm rows a wave of blocks ahead).
 constexpr int kL2LineBytes = 128;
 static_assert(kL2LineBytes % kVecBytes == 0, "a line is whole 16-byte vectors");
 

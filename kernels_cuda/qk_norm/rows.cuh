@@ -1,5 +1,5 @@
 // What every qk_norm kernel shares: where a (token, head) row lives, how a group of lanes splits
-// a row into 16-byte vectors, the weights' loads, and the host's compile-time dispatch.
+// a row into 16-byte vectors, and the host's compile-time dispatch.
 // The kernels themselves live one per file (v1_*.cuh ... v6_*.cuh, tuned.cuh), each readable alone.
 #pragma once
 
@@ -51,34 +51,6 @@ struct LaneGroup {
   // load instruction of the group reads contiguous memory.
   __device__ static int column(int lane, int i) { return (i * kLanes + lane) * kVecElems; }
 };
-
-// The effective float32 weights (w + weight_offset; rounded to T first in the Hugging Face order)
-// of the kVecElems columns from `first_column` of weight `w`: 16-byte loads where `as_vectors`
-// (the weight is 16-byte aligned), element by element otherwise.
-template <typename T, Rounding kRounding>
-__device__ __forceinline__ void load_weight_vector(const Params& p, const void* w, int first_column, bool as_vectors,
-                                                   float (&out)[Vec<T>::kElems]) {
-  constexpr int kVecElems = Vec<T>::kElems;
-  constexpr int kFloatsPerVec = kVecBytes / static_cast<int>(sizeof(float));
-  static_assert(kVecElems % kFloatsPerVec == 0, "a vector's float32 weights are whole 16-byte loads");
-  if (as_vectors && p.weight_is_fp32) {
-#pragma unroll
-    for (int h = 0; h < kVecElems / kFloatsPerVec; ++h) {
-      const float4 f = reinterpret_cast<const float4*>(static_cast<const float*>(w) + first_column)[h];
-      out[kFloatsPerVec * h] = f.x;
-      out[kFloatsPerVec * h + 1] = f.y;
-      out[kFloatsPerVec * h + 2] = f.z;
-      out[kFloatsPerVec * h + 3] = f.w;
-    }
-  } else if (as_vectors) {
-    unpack<T>(load_vec<T>(static_cast<const T*>(w) + first_column), out);
-  } else {
-#pragma unroll
-    for (int j = 0; j < kVecElems; ++j) out[j] = load_weight<T>(w, p.weight_is_fp32, first_column + j);
-  }
-#pragma unroll
-  for (int j = 0; j < kVecElems; ++j) out[j] = effective_weight<T, kRounding == Rounding::kHf>(out[j], p.weight_offset);
-}
 
 // A vector of zeros: what an idle lane group sums (it still joins its group's shuffles).
 template <typename T>

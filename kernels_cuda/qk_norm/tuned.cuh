@@ -26,6 +26,34 @@ namespace cookbook::qk_norm::tuned {
 
 static_assert(v2::kWarpsPerBlock == kWarpPerRowWarps, "the policy describes rung 2's block as it is");
 
+// The effective float32 weights (w + weight_offset; rounded to T first in the Hugging Face order)
+// of the kVecElems columns from `first_column` of weight `w`: 16-byte loads where `as_vectors`
+// (the weight is 16-byte aligned), element by element otherwise.
+template <typename T, Rounding kRounding>
+__device__ __forceinline__ void load_weight_vector(const Params& p, const void* w, int first_column, bool as_vectors,
+                                                   float (&out)[Vec<T>::kElems]) {
+  constexpr int kVecElems = Vec<T>::kElems;
+  constexpr int kFloatsPerVec = kVecBytes / static_cast<int>(sizeof(float));
+  static_assert(kVecElems % kFloatsPerVec == 0, "a vector's float32 weights are whole 16-byte loads");
+  if (as_vectors && p.weight_is_fp32) {
+#pragma unroll
+    for (int h = 0; h < kVecElems / kFloatsPerVec; ++h) {
+      const float4 f = reinterpret_cast<const float4*>(static_cast<const float*>(w) + first_column)[h];
+      out[kFloatsPerVec * h] = f.x;
+      out[kFloatsPerVec * h + 1] = f.y;
+      out[kFloatsPerVec * h + 2] = f.z;
+      out[kFloatsPerVec * h + 3] = f.w;
+    }
+  } else if (as_vectors) {
+    unpack<T>(load_vec<T>(static_cast<const T*>(w) + first_column), out);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) out[j] = load_weight<T>(w, p.weight_is_fp32, first_column + j);
+  }
+#pragma unroll
+  for (int j = 0; j < kVecElems; ++j) out[j] = effective_weight<T, kRounding == Rounding::kHf>(out[j], p.weight_offset);
+}
+
 template <typename T, Rounding kRounding, int kHeadDim, int kVecsPerLane, Warm kWarm, WeightLoad kWeightLoad>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     qk_norm_tuned_kernel(Params p, uint32_t rows, FastDivisor heads_divisor, uint32_t rows_ahead) {

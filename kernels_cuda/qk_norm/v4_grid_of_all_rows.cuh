@@ -31,9 +31,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_v4_kernel(Params p, 
   for (int i = 0; i < Group::kVecsPerLane; ++i) packed[i] = active ? load_vec<T>(r.x + Group::column(lane, i)) : zero_vec<T>();
   float w[Group::kVecsPerLane][Group::kVecElems] = {};  // 2. its weight, while the row is in flight
   if (active) {
-    const bool weight_vectors = is_aligned(r.w, kVecBytes);
 #pragma unroll
-    for (int i = 0; i < Group::kVecsPerLane; ++i) load_weight_vector<T, kRounding>(p, r.w, Group::column(lane, i), weight_vectors, w[i]);
+    for (int i = 0; i < Group::kVecsPerLane; ++i) {
+#pragma unroll
+      for (int j = 0; j < Group::kVecElems; ++j) {
+        w[i][j] = effective_weight<T, kHf>(load_weight<T>(r.w, p.weight_is_fp32, Group::column(lane, i) + j), p.weight_offset);
+      }
+    }
   }
   float x[Group::kVecsPerLane][Group::kVecElems];  // 3. sum, rstd, normalize, store
   float sum_sq = 0.f;
