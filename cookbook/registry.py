@@ -154,7 +154,7 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         Impl("cross_head_norm", "numba_v1", "numba", 1, "kernels_numba.cross_head_norm:cross_head_norm",
              "one block per (token, tensor), q and k on blockIdx.y: threads stride over the row, a block-wide sum of squares, a second pass writes"),
         Impl("cross_head_norm", "numba_v2", "numba", 2, "kernels_numba.cross_head_norm:cross_head_norm_v2",
-             "bf16 rows read and written as 32-bit words (two columns per load and store), the rounding order and the weights' storage fixed at build time, unsigned indices - removes half of v1's loads and stores, its per-element rounding branch and its signed index arithmetic"),
+             "bf16 rows as 32-bit words, rounding and weight storage fixed at build time - removes half of v1's loads and stores and its per-element rounding branch"),
         _rung("cross_head_norm", 1, "v1_one_cta_per_token.cuh",
               "one CTA per token normalizes its q row and its k row together: two sums of squares, both weights live, a two-value block reduction"),
         _rung("cross_head_norm", 2, "v2_q_and_k_on_grid_y.cuh",
