@@ -392,6 +392,238 @@ class QkNorm:
                 f"{'yes' if p['warm_next_wave'] == 'true' else 'no'} ({rows / wave:.2f} waves)"]
 
 
+class CrossHeadNorm:
+    op = "cross_head_norm"
+    shape_names = ("T", "QH", "KH")  # tokens, q_hidden, k_hidden
+
+    @staticmethod
+    def inputs(shape, dtype, layout, device, weight_dtype=None) -> dict:
+        t, q_hidden, k_hidden = shape
+        weight_dtype = weight_dtype or dtype
+        if layout == "fused_qkv":
+            qkv = torch.empty(t, q_hidden + 2 * k_hidden, dtype=dtype, device=device)
+            q, k = qkv[:, :q_hidden], qkv[:, q_hidden: q_hidden + k_hidden]
+        else:
+            q = torch.empty(t, q_hidden, dtype=dtype, device=device)
+            k = torch.empty(t, k_hidden, dtype=dtype, device=device)
+        return dict(q=q, k=k, q_weight=torch.empty(q_hidden, dtype=weight_dtype, device=device),
+                    k_weight=torch.empty(k_hidden, dtype=weight_dtype, device=device))
+
+    @staticmethod
+    def check(q, k, q_weight, k_weight, eps=1e-6, weight_offset=0.0, rounding="fused"):
+        from cookbook.ops import cross_head_norm as contract
+
+        return contract.check_inputs(q, k, q_weight, k_weight, eps, weight_offset, rounding)
+
+    @staticmethod
+    def _rows_are_vectors(a) -> bool:
+        elems = 16 // a.q.element_size()
+        numbers = (a.q.stride(0), a.k.stride(0), a.q.shape[1], a.k.shape[1])
+        return _aligned(a.q) and _aligned(a.k) and all(n % elems == 0 for n in numbers)
+
+    @staticmethod
+    def _share_token_stride(a) -> bool:
+        stride = a.q.stride(0)
+        return stride == a.k.stride(0) and (stride > a.q.shape[1] or stride > a.k.shape[1])
+
+    @staticmethod
+    def describe_call(a, layout: str | None) -> tuple[str, str]:
+        t, q_hidden = a.q.shape
+        weights = "/".join(dict.fromkeys(str(w.dtype).removeprefix("torch.") for w in (a.q_weight, a.k_weight)))
+        call = (f"T={t} q_hidden={q_hidden} k_hidden={a.k.shape[1]}, {str(a.q.dtype).removeprefix('torch.')}, "
+                f"rounding={a.rounding!r}, weights {weights}")
+        where = {"fused_qkv": "q and k: views of one fused qkv tensor", "separate": "q and k: tensors of their own",
+                 None: "q and k"}[layout]
+        yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+        return call, (f"{where} (token strides {a.q.stride(0)}, {a.k.stride(0)}); rows 16-byte aligned, whole vectors: "
+                      f"{yes(CrossHeadNorm._rows_are_vectors(a))}; weights 16-byte aligned: "
+                      f"{yes(_aligned(a.q_weight) and _aligned(a.k_weight))}")
+
+    @staticmethod
+    def call_lines(a) -> list[str]:
+        flag = lambda value: "true" if value else "false"  # noqa: E731
+        return [f"dtype={_DTYPE_CODE[a.q.dtype]}", f"rounding={_ROUNDING_CODE[a.rounding]}", f"num_tokens={a.q.shape[0]}",
+                f"q_hidden={a.q.shape[1]}", f"k_hidden={a.k.shape[1]}",
+                f"rows_are_vectors={flag(CrossHeadNorm._rows_are_vectors(a))}",
+                f"weights_are_vectors={flag(_aligned(a.q_weight) and _aligned(a.k_weight))}",
+                f"rows_share_token_stride={flag(CrossHeadNorm._share_token_stride(a))}"]
+
+    @staticmethod
+    def ask_gpu(a) -> dict[str, str]:
+        from cookbook import cuda, registry
+
+        cuda.load_extension(registry.get("cross_head_norm", "cuda_tuned").extension)
+        return parse_plan(torch.ops.cookbook.cross_head_norm_tuned_explain(a.q, a.k, a.q_weight, a.k_weight, a.eps,
+                                                                             a.weight_offset, a.rounding == "hf"))
+
+    @staticmethod
+    def _wave(p) -> str:
+        return (f"{int(p['sms'])} SMs x {p['wave_blocks_per_sm']} four-warp CTAs of {p['wave_block']} threads = "
+                f"{int(p['wave_rows']):,} rows")
+
+    @staticmethod
+    def policy(p: dict[str, str], a) -> list[tuple[str, str]]:
+        rows, tokens = int(p["rows"]), a.q.shape[0]
+        widest, vecs = int(p["widest_vecs"]), int(p["q_vecs"]) + int(p["k_vecs"])
+        found = [("rows", f"{rows:,} rows: {tokens:,} token{'s' if tokens != 1 else ''} x (q, k); the wider row "
+                          f"{widest} vectors of 16 bytes")]
+        path = p["path"]
+        if path == "warp_per_token":
+            return found + [("path", f"a warp per token (rung 7): the wider row fits 8 vectors per lane, and {tokens:,} "
+                                     f"tokens >= 18 x the token's {vecs} vectors = {int(p['warp_per_token_tokens']):,}"),
+                            ("block", f"{p['block']} threads, a token per warp")]
+        if path == "staged_row":
+            return found + [("path", f"the row staged in shared memory by one bulk copy ({int(p['shared_bytes']):,} bytes "
+                                     "per CTA): wider than 512 threads x 8 vectors hold in registers")]
+        if path == "strided":
+            why = ("a row or a weight is not whole 16-byte vectors on 16-byte boundaries"
+                   if widest <= 4096 else "wider than registers hold, and no room (or no bulk copies) for a staged row")
+            return found + [("path", f"rung 2's strided CTA per row: {why}")]
+        vectors = re.search(r"kVecsPerThread=(\d+)", p["template_arguments"]).group(1)
+        block = f"{p['block']} threads x {vectors} vectors"
+        if path == "cta_per_row_below_a_wave":
+            size = ("at most 128 vectors: one vector per thread of four warps, rung 6's CTA at any size"
+                    if int(p["four_warp_vecs"]) == 0 else f"{rows:,} < one wave ({CrossHeadNorm._wave(p)})")
+            held = "Weights::kWithTheRow" in p["template_arguments"]
+            weights = (f"with the row: every row resident at once ({rows:,} <= {int(p['held_resident_rows']):,})" if held
+                       else "after the sum: " + ("the rows are not all resident at once" if int(p["held_blocks_per_sm"])
+                                                 else "more than four vectors per thread"))
+            return found + [("size", size), ("block", f"{block}: the fewest vectors per thread in up to 512 threads"),
+                            ("weights", weights)]
+        order = ("token-major: q and k share a token stride (views of one tensor) and the call is 3 waves or more"
+                 if p["token_major"] == "true" else "(tokens, 2)")
+        shape = ("the 512-thread CTA of two vectors: rows of like widths" if p["like_rows"] == "true"
+                 else f"four warps of {p['four_warp_vecs']} vectors" + (", the block compiled in" if "kBlockThreads=128"
+                                                                         in p["template_arguments"] else ""))
+        warm = int(p["warm_first_ctas"])
+        warm_text = (f"the first {warm:,} CTAs warm their own row before the wait" if warm
+                     else f"none before the wait: the call moves {int(p['call_bytes']) / 2**20:.0f} MiB (> 192)")
+        if int(p["rows_ahead"]):
+            warm_text += f"; every CTA warms the row {int(p['rows_ahead']):,} CTAs ahead (a wave)"
+        return found + [("waves", f"{p['waves']} waves ({CrossHeadNorm._wave(p)})"),
+                        ("block", f"{block}: {shape}"), ("grid order", order),
+                        ("weights", "with the row" if "Weights::kWithTheRow" in p["template_arguments"] else "after the sum"),
+                        ("warm", warm_text)]
+
+    # The generated "which kernel runs" table of docs/cross_head_norm.md: its policy columns.
+    SUMMARY = ("path", "waves of four-warp CTAs", "weights", "warm")
+
+    @staticmethod
+    def summary(p: dict[str, str], a) -> list[str]:
+        path = p["path"]
+        if not path.startswith("cta_per_row"):
+            return [path.replace("_", " "), "-", "-", "-"]
+        waves = p["waves"] if int(p["four_warp_vecs"]) else "-"
+        held = "with the row" if "Weights::kWithTheRow" in p["template_arguments"] else "after the sum"
+        warm = []
+        if int(p["warm_first_ctas"]):
+            warm.append(f"first {int(p['warm_first_ctas']):,} CTAs")
+        if int(p["rows_ahead"]):
+            warm.append("next wave")
+        return [path.removeprefix("cta_per_row_").replace("_", " "), waves, held, " + ".join(warm) or "no"]
+
+
+class QkNormRope:
+    op = "qk_norm_rope"
+    shape_names = ("T", "HQ", "HK", "D", "ROPE", "NEOX")  # NEOX: 1 NeoX pairs, 0 interleaved
+
+    @staticmethod
+    def inputs(shape, dtype, layout, device, weight_dtype=None) -> dict:
+        from cookbook.ops.qk_norm_rope import Rope
+
+        t, hq, hk, d, rope_dim, is_neox = shape
+        tensors = QkNorm.inputs((t, hq, hk, d), dtype, layout, device, weight_dtype)
+        cache = torch.empty(max(t, 1), rope_dim, dtype=torch.float32, device=device)  # the benchmark's table
+        positions = torch.empty(t, dtype=torch.int64, device=device)
+        return dict(**tensors, cos_sin_cache=cache, positions=positions, rope=Rope(is_neox=bool(is_neox)))
+
+    @staticmethod
+    def check(q, k, q_weight, k_weight, cos_sin_cache, positions, eps=1e-6, weight_offset=0.0, rounding="fused",
+              rope=None, is_neox=True, rope_dim=None, position_offset=0):
+        from cookbook.ops import qk_norm_rope as contract
+
+        rope = rope or contract.Rope(is_neox=is_neox, rope_dim=rope_dim, position_offset=position_offset)
+        return contract.check_inputs(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding,
+                                     rope)
+
+    @staticmethod
+    def _tables_are_vectors(a) -> bool:
+        return _aligned(a.q_weight) and _aligned(a.k_weight) and _aligned(a.cos_sin_cache)
+
+    @staticmethod
+    def describe_call(a, layout: str | None) -> tuple[str, str]:
+        call, _ = QkNorm.describe_call(a, layout)
+        rope = (f"rope_dim {a.rope_dim} of {a.q.shape[2]}, {'NeoX' if a.is_neox else 'interleaved'} pairs, cos/sin "
+                f"{str(a.cos_sin_cache.dtype).removeprefix('torch.')}")
+        where = {"fused_qkv": "q and k: views of one fused qkv tensor", "separate": "q and k: tensors of their own",
+                 None: "q and k"}[layout]
+        yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+        return f"{call}; {rope}", (f"{where} (token strides {a.q.stride(0)}, {a.k.stride(0)}); rows 16-byte aligned: "
+                                   f"{yes(QkNorm._rows_are_vectors(a))}; weights and cos/sin 16-byte aligned: "
+                                   f"{yes(QkNormRope._tables_are_vectors(a))}")
+
+    @staticmethod
+    def call_lines(a) -> list[str]:
+        flag = lambda value: "true" if value else "false"  # noqa: E731
+        t, hq, d = a.q.shape
+        return [f"dtype={_DTYPE_CODE[a.q.dtype]}", f"rounding={_ROUNDING_CODE[a.rounding]}", f"num_tokens={t}",
+                f"num_q_heads={hq}", f"num_kv_heads={a.k.shape[1]}", f"head_dim={d}", f"rope_dim={a.rope_dim}",
+                f"layout={int(a.is_neox)}", f"weights={int(a.q_weight.dtype == torch.float32)}",
+                f"cache={int(a.cos_sin_cache.dtype == torch.float32)}",
+                f"rows_are_vectors={flag(QkNorm._rows_are_vectors(a))}",
+                f"tables_are_vectors={flag(QkNormRope._tables_are_vectors(a))}"]
+
+    @staticmethod
+    def ask_gpu(a) -> dict[str, str]:
+        from cookbook import cuda, registry
+
+        cuda.load_extension(registry.get("qk_norm_rope", "cuda_tuned").extension)
+        return parse_plan(torch.ops.cookbook.qk_norm_rope_tuned_explain(
+            a.q, a.k, a.q_weight, a.k_weight, a.cos_sin_cache, a.positions, a.eps, a.weight_offset, a.is_neox,
+            a.rope_dim, a.position_offset, a.rounding == "hf"))
+
+    OFF_VECTORS = {"rows_unaligned": "a row of q or k does not start on a 16-byte boundary",
+                   "tables_unaligned": "a weight or the cos/sin cache does not start on a 16-byte boundary",
+                   "rope_dim_not_whole_units": "rope_dim is not a whole number of two-vector units",
+                   "head_dim_not_compiled": "head_dim is not one the vector kernels compile (64, 128, 256)"}
+
+    @staticmethod
+    def policy(p: dict[str, str], a) -> list[tuple[str, str]]:
+        rows = int(p["rows"])
+        heads = a.q.shape[1] + a.k.shape[1]
+        tokens = rows // heads
+        found = [("rows", f"{rows:,} rows ({tokens:,} token{'s' if tokens != 1 else ''} x {heads} heads)")]
+        if p["off_vectors"] != "none":
+            return found + [("path", f"rung 2's warp per row: {QkNormRope.OFF_VECTORS[p['off_vectors']]}")]
+        per_block = int(p["rows_per_block"])
+        found += [("lane group", f"{p['lanes_per_row']} lanes per row, {per_block} rows per block of {p['block']} threads"),
+                  ("blocks needed", f"{int(p['needed_blocks']):,} (a row per lane group)")]
+        whole = (f"resident grid {int(p['whole_tokens_resident']):,} blocks ({p['sms']} SMs x "
+                 f"{p['whole_tokens_blocks_per_sm']}); cut to whole tokens ({p['token_cycle_blocks']} blocks a cycle): "
+                 f"{int(p['whole_tokens_cut']):,} blocks, longest walk {p['longest_walk_cut']} rows against "
+                 f"{p['longest_walk_resident']}, leaves {'at most' if p['cut_leaves_few_out'] == 'true' else 'more than'} "
+                 f"1/32 out")
+        walk = p["walk"]
+        if walk == "Walk::kWholeTokens":
+            return found + [("walk", f"whole tokens (rung 7): more than one trip, and the cut keeps every walk as "
+                                     f"short; {whole}"), ("step", f"{p['token_step']} tokens")]
+        steps = f"{int(p['steps_resident']):,} resident blocks ({p['sms']} x {p['steps_blocks_per_sm']})"
+        if walk == "Walk::kOneRow":
+            return found + [("walk", f"one row per lane group (rung 6): {int(p['needed_blocks']):,} blocks fit in one "
+                                     f"trip of {steps}; tables warmed before the wait")]
+        return found + [("walk", f"steps: more than one trip of {steps}, and no whole-token cut ({whole})"),
+                        ("step", f"{p['token_step']} tokens and {p['head_step']} heads")]
+
+    # The generated "which kernel runs" table of docs/qk_norm_rope.md: its policy columns.
+    SUMMARY = ("walk", "blocks needed")
+
+    @staticmethod
+    def summary(p: dict[str, str], a) -> list[str]:
+        if p["off_vectors"] != "none":
+            return ["rung 2", "-"]
+        return [p["walk"].removeprefix("Walk::k"), f"{int(p['needed_blocks']):,}"]
+
+
 def lane_count(a, min_vecs: int) -> int:
     """The lanes of a lane group of `a`'s head_dim holding at least `min_vecs` vectors each
     (lanes.h's lane_shape)."""
@@ -400,7 +632,7 @@ def lane_count(a, min_vecs: int) -> int:
     return max(1, min(32, wanted))
 
 
-EXPLAINERS = {"qk_norm": QkNorm}
+EXPLAINERS = {"qk_norm": QkNorm, "cross_head_norm": CrossHeadNorm, "qk_norm_rope": QkNormRope}
 
 
 def explainable() -> list[str]:
@@ -445,8 +677,9 @@ def explain(op: str, *args, shape=None, dtype=torch.bfloat16, layout: str = "fus
         if dtype not in _DTYPE_CODE:
             raise ValueError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
         tensors = spec.inputs(shape, dtype, layout, "cuda" if on_gpu else "meta", weight_dtype)
-        args = tuple(tensors.values())
-    checked = spec.check(*args, **kwargs)
+        checked = spec.check(**tensors, **kwargs)
+    else:
+        checked = spec.check(*args, **kwargs)
     device = checked.q.device
     hypothetical = device.type != "cuda"
     if device.type == "cuda" and (gpu is not None or sms is not None):

@@ -3,7 +3,9 @@
 * `lane_group`: which lanes hold which 16-byte vectors of a row (qk_norm's LaneGroup, lanes.h);
 * `programmatic_launch`: two kernels back to back, with and without a programmatic dependent
   launch (after_prior_grids and warm_l2, include/common.cuh);
-* `warm_ahead`: waves of blocks, each lane group warming the row one wave ahead (the tuned kernel).
+* `warm_ahead`: waves of blocks, each lane group warming the row one wave ahead (the tuned kernel);
+* `grid_orders`: which rows of a fused qkv tensor cross_head_norm's CTAs take, and in which order:
+  one CTA per token (rung 1), q and k on grid.y (rung 2 on), the token-major grid (its tuned kernel).
 
 The timelines are schematics (not to scale, nothing measured); the lane layout is computed from
 the same arithmetic the kernels use. ``python -m cookbook.figures [DIR]`` writes them as PNG files
@@ -122,7 +124,42 @@ def warm_ahead(waves: int = 3):
     return fig
 
 
-FIGURES = {"lane_group": lane_group, "programmatic_launch": programmatic_launch, "warm_ahead": warm_ahead}
+def grid_orders(tokens: int = 6, wave: int = 4):
+    """A fused qkv tensor's token rows (q wide, k and v narrow) and the order in which the CTAs of
+    three cross_head_norm grids take them, the first `wave` CTAs (those resident at once) shaded:
+    one CTA per token, q row and k row together (rung 1); q and k on grid.y, every q row before the
+    first k row (rungs 2-6); the token-major grid, a token's q CTA and k CTA side by side (the tuned
+    kernel at many waves), so the rows in flight together are neighbours in memory."""
+    plt = _plt()
+    q_w, k_w = 4.0, 1.0  # widths, schematic (GQA: k and v narrower than q)
+    fig, axes = plt.subplots(3, 1, figsize=(10, 4.2), sharex=True)
+    titles = ("rung 1: grid.x = token; a CTA takes the token's q row and k row",
+              "rungs 2-7: grid (tokens, 2); CTAs in grid order: every q row, then every k row",
+              "tuned, many waves: grid.x = 2 x token + tensor; a token's two CTAs side by side")
+    for ax, title, grid in zip(axes, titles, ("token", "by_tensor", "token_major")):
+        for t in range(tokens):
+            x0 = t * (q_w + 2 * k_w)
+            for tensor, (start, width, name) in enumerate(((0, q_w, "q"), (q_w, k_w, "k"), (q_w + k_w, k_w, "v"))):
+                if name == "v":
+                    ax.add_patch(plt.Rectangle((x0 + start, 0), width * 0.97, 1, color="#eeeeee"))
+                    ax.text(x0 + start + width / 2, 0.5, "v", ha="center", va="center", fontsize=7, color="#888888")
+                    continue
+                cta = {"token": t, "by_tensor": tensor * tokens + t, "token_major": 2 * t + tensor}[grid]
+                color = "#9ecae1" if name == "q" else "#a1d99b"
+                ax.add_patch(plt.Rectangle((x0 + start, 0), width * 0.97, 1, color=color, alpha=1.0 if cta < wave else 0.35))
+                ax.text(x0 + start + width / 2, 0.5, f"{name}{t}\nCTA {cta}", ha="center", va="center", fontsize=7)
+        ax.set_xlim(0, tokens * (q_w + 2 * k_w))
+        ax.set_ylim(0, 1)
+        ax.set_yticks([])
+        ax.set_title(title + f" (dark: the first {wave} CTAs)", fontsize=9, loc="left")
+    axes[-1].set_xticks([])
+    axes[-1].set_xlabel("memory of the fused qkv tensor, token after token (schematic widths)", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = {"lane_group": lane_group, "programmatic_launch": programmatic_launch, "warm_ahead": warm_ahead,
+           "grid_orders": grid_orders}
 
 
 def main(argv=None) -> int:

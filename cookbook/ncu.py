@@ -14,7 +14,9 @@ reasons that dominate. Clocks are left alone (``--clock-control none``): duratio
 the benchmark's, but the benchmark (graph replay, rotating inputs) is the timing of record.
 
 Writes ``<out>/<op>_ncu.md`` and ``.csv`` and, with ``--results-dir``, the same table into the
-docs' results folder as ``<op>_<gpu>_ncu.md`` with the GPU, date, commit and command.
+docs' results folder as ``<op>_<gpu>_ncu[_<tag>].md`` with the GPU, date, commit and command, and
+its rows as ``.json`` beside it (what tools/docs_versions.py reads: cross_head_norm's ladder table
+takes each rung's achieved occupancy from ``--tag ladder``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import csv
 import datetime
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -146,7 +149,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", type=int, default=-1, help="index into the contract's BENCH_SHAPES (default: last)")
     parser.add_argument("--impls", nargs="+", help="implementations (default: every CUDA C version)")
     parser.add_argument("--out", default="ncu_out")
-    parser.add_argument("--results-dir", help="also write <op>_<gpu>_ncu.md here (the docs' results folder)")
+    parser.add_argument("--results-dir", help="also write <op>_<gpu>_ncu[_<tag>].md and .json here (the docs' results folder)")
+    parser.add_argument("--tag", help="name the results page <op>_<gpu>_ncu_<tag> (beside other Nsight Compute pages)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -196,12 +200,14 @@ def main(argv=None) -> int:
 
     _, label = contract.bench_case(contract.BENCH_SHAPES[shape_index], bench.resolve_dtype("bfloat16"), "meta")
     gpu = torch.cuda.get_device_name()
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
+    command = f"python -m cookbook.ncu {' '.join(argv if argv is not None else sys.argv[1:])}"
     text = (f"# {args.op}: Nsight Compute counters on {gpu} (bfloat16, {label})\n\n"
             "Written by `python -m cookbook.ncu`: do not edit by hand, run the command again.\n\n"
             f"- GPU: {gpu}; torch {torch.__version__}, CUDA {torch.version.cuda}\n"
-            f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; "
+            f"- date: {date}; "
             f"commit: {bench.git_commit()}\n"
-            f"- command: `python -m cookbook.ncu {' '.join(argv if argv is not None else sys.argv[1:])}`\n"
+            f"- command: `{command}`\n"
             "- one call of each implementation, ncu sections " + ", ".join(SECTIONS) +
             ", clocks not locked; durations are ncu's (single cold call), the benchmark's graph replay is the "
             "timing of record\n\n" + table(launches, impl_of) + "\n")
@@ -210,8 +216,16 @@ def main(argv=None) -> int:
     (out / f"{args.op}_ncu.md").write_text(text)
     (out / f"{args.op}_ncu.csv").write_text("\n".join(raw))
     if args.results_dir:
-        page = Path(args.results_dir) / f"{args.op}_{bench.gpu_slug(gpu)}_ncu.md"
+        page = Path(args.results_dir) / f"{args.op}_{bench.gpu_slug(gpu)}_ncu{'_' + args.tag if args.tag else ''}.md"
         page.write_text(text)
+        from cookbook import sources
+
+        meta = dict(gpu=gpu, date=date, commit=bench.git_commit(), shape=label, command=command,
+                    sources={args.op: sources.fingerprint(args.op)})
+        rows = [dict(impl=impl, kernel=short_kernel_name(launch["kernel"]),
+                     **{column: launch.get(column) for column, _, _ in COLUMNS}, stalls=launch["stalls"])
+                for impl, launch in zip(impl_of, launches)]
+        page.with_suffix(".json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
     print(text)
     return 0
 

@@ -6,7 +6,7 @@
 //   y_r    = x_r * rsqrt(sum_sq / full_width + eps) * (w_r + weight_offset)
 //
 // A shard row is a cross_head_norm row cut into tp pieces, so the row access (Params, Row,
-// locate_row) comes from cross_head_norm.cuh; only the width in the mean is the full one.
+// locate_row) comes from cross_head_norm/rows.cuh; only the width in the mean is the full one.
 //
 // Versions (cookbook/registry.py is the list; tests/test_cuda_sources.py keeps these lines and
 // the registry's leads identical):
@@ -29,7 +29,7 @@
 
 #include <cstring>
 
-#include "cross_head_norm.cuh"
+#include "cross_head_norm/rows.cuh"
 #include "include/common.cuh"
 
 namespace cookbook::tp_qk_norm {
@@ -150,7 +150,14 @@ inline bool v1_vector_path(const Params& p) {
   return cross_head_norm::vector_aligned<T>(p);
 }
 
-inline bool v1_token_major(const Params& p) { return cross_head_norm::token_major_grid_fits(p); }
+// The (token, tensor) grid where q and k share a token stride wider than either row (views of one
+// tensor of token rows) and grid.x has room for every row.
+inline bool v1_token_major(const Params& p) {
+  constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1 CTAs along grid.x
+  const bool share_token_stride =
+      p.q_token_stride == p.k_token_stride && (p.q_token_stride > p.q_hidden || p.k_token_stride > p.k_hidden);
+  return share_token_stride && p.num_tokens * kNumTensors <= kMaxGridX;
+}
 
 inline dim3 v1_vec_grid(const Params& p, bool token_major) {
   if (token_major) return dim3(static_cast<unsigned>(p.num_tokens * kNumTensors));
@@ -1508,7 +1515,7 @@ inline void launch_fused_packs(FusedParams p, cudaStream_t stream, bool allow_he
 template <typename T, int kVecsPerThread, bool kHfRounding, WeightSource kWeights>
 inline bool launch_lagged_rows_fixed(FusedParams p, int vecs, cudaStream_t stream) {
   constexpr auto kernel = lagged_rows_kernel<T, kVecsPerThread, kHfRounding, kWeights>;
-  const int whole_warps = cross_head_norm::v3_threads(vecs, kVecsPerThread);
+  const int whole_warps = cross_head_norm::threads_for(vecs, kVecsPerThread);
   const int threads = whole_warps < kLaggedMinThreads ? kLaggedMinThreads : whole_warps;
   const int64_t resident = persistent_grid_limit<kernel>(threads);
   if (p.shard.num_tokens < resident) return false;
@@ -1545,7 +1552,7 @@ constexpr WeightSource lagged_weights(int version) {
 template <typename T, int kVecsPerThread, bool kHfRounding>
 inline void launch_token_rows_fixed(FusedParams p, int vecs, cudaStream_t stream) {
   constexpr auto kernel = token_rows_kernel<T, kVecsPerThread, kHfRounding>;
-  const int whole_warps = cross_head_norm::v3_threads(vecs, kVecsPerThread);
+  const int whole_warps = cross_head_norm::threads_for(vecs, kVecsPerThread);
   const int threads = whole_warps < kTokenRowsMinThreads ? kTokenRowsMinThreads : whole_warps;
   const int64_t resident = persistent_grid_limit<kernel>(threads);
   const int64_t grid = p.shard.num_tokens < resident ? p.shard.num_tokens : resident;

@@ -19,9 +19,9 @@ launch (torch stream on a GPU; copies under the simulator) is `helpers.launch`.
 
 v2 (`cross_head_norm_v2`) keeps this mapping and both passes, but views a bf16 row as int32 words
 (word u holds columns 2u and 2u + 1), so one load and one store move two columns, and builds one
-kernel per rounding order and weight storage, with unsigned indices: 2.1x faster than v1 at
-8192 x 8192 on an H200 (docs/cross_head_norm.md). Other dtypes, and bf16 views with no int32
-view, run v1.
+kernel per rounding order and weight storage, with unsigned indices: faster than v1 at every bench
+shape on an H200 (docs/results/cross_head_norm_h200_history.md). Other dtypes, and bf16 views
+with no int32 view, run v1.
 """
 
 from kernels_numba import _compat  # noqa: F401  (before Numba compiles anything)

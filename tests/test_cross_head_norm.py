@@ -15,8 +15,11 @@ from numba import cuda
 from hypothesis import strategies as st
 
 import cookbook
+import nvcc_jobs
+from cookbook import explainer, nvcc_report
 from cookbook.ops import cross_head_norm as contract
 from cookbook.testing import agreement
+from cross_head_norm_plans import BENCH_PLANS, EDGE_PLANS, choice_of_plan
 from kernels_numba.helpers import block_sum
 from helpers import assert_rejected_untouched, BACKENDS, bad_case, clone_inputs, DEVICE, kernel_impls, ON_GPU, require, run_and_compare
 
@@ -379,3 +382,84 @@ def test_numba_block_sum_gives_every_thread_the_blocks_sum(threads):
     want = np.repeat(v.reshape(blocks, threads).sum(axis=1), threads)
     np.testing.assert_array_equal(sums, want)
     np.testing.assert_array_equal(doubled, 2 * want)
+
+
+# ------------------------------------------------------------------------------------------
+# The tuned kernel's policy (kernels_cuda/cross_head_norm/policy.h), compiled for the host and
+# asked for an H100 (132 SMs; the kernels' registers from nvcc's report): its choices at every
+# bench shape and at its edges, without a GPU. tests/test_gpu_cross_head_norm.py checks the same
+# choices through the kernels the GPU launches, and that the GPU's answer is this one.
+# ------------------------------------------------------------------------------------------
+needs_nvcc = pytest.mark.skipif(nvcc_report.nvcc() is None, reason="nvcc not on PATH")
+TUNED_EXTENSION = "cross_head_norm_tuned"
+
+
+def plan(shape, dtype=torch.bfloat16, layout="fused_qkv", **kwargs):
+    nvcc_jobs.result(nvcc_report.compile_extension, TUNED_EXTENSION)  # the report the answer reads
+    return explainer.explain(OP, shape=shape, dtype=dtype, layout=layout, gpu=kwargs.pop("gpu", "h100"), **kwargs).plan
+
+
+def test_bench_plans_cover_the_bench_shapes():
+    assert set(BENCH_PLANS) == set(map(tuple, contract.BENCH_SHAPES))
+
+
+@needs_nvcc
+@pytest.mark.nvcc("compile_extension", TUNED_EXTENSION)
+@pytest.mark.parametrize("shape", contract.BENCH_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_policy_at_the_bench_shapes(shape):
+    t, q_hidden, k_hidden, *layout = shape
+    p = plan((t, q_hidden, k_hidden), layout="separate" if layout else "fused_qkv")
+    assert choice_of_plan(p) == BENCH_PLANS[tuple(shape)], p
+    assert int(p["rows"]) == 2 * t
+    if p["path"] == "cta_per_row_from_a_wave":  # the warm budget: 2 MiB of rows, none past 192 MiB moved
+        assert (int(p["warm_first_ctas"]) > 0) == (int(p["call_bytes"]) <= 192 << 20)
+        assert (int(p["rows_ahead"]) > 0) == (p["template_arguments"].endswith("kWarm=Warm::kFirstRowsAndNextWave, kBlockThreads=0"))
+
+
+@needs_nvcc
+@pytest.mark.nvcc("compile_extension", TUNED_EXTENSION)
+@pytest.mark.parametrize("shape, dtype, layout, expected", EDGE_PLANS,
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) and isinstance(v[0], int) else str(v).removeprefix("torch."))
+def test_policy_edges(shape, dtype, layout, expected):
+    assert choice_of_plan(plan(shape, dtype, layout)) == expected
+
+
+@needs_nvcc
+@pytest.mark.nvcc("compile_extension", TUNED_EXTENSION)
+def test_policy_takes_the_strided_kernel_off_16_byte_rows_and_weights():
+    nvcc_jobs.result(nvcc_report.compile_extension, TUNED_EXTENSION)
+    qkv = torch.empty(64, 1 + 4096 + 2 * 1024, dtype=torch.bfloat16, device="meta")
+    q, k = qkv[:, 1: 1 + 4096], qkv[:, 1 + 4096: 1 + 4096 + 1024]
+    w_q, w_k = torch.empty(4096, dtype=torch.bfloat16, device="meta"), torch.empty(1024, dtype=torch.bfloat16, device="meta")
+    assert explainer.explain(OP, q, k, w_q, w_k, gpu="h100").plan["path"] == "strided"
+    buffer = torch.empty(4097, dtype=torch.float32, device="meta")
+    q, k = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta"), torch.empty(64, 1024, dtype=torch.bfloat16, device="meta")
+    assert explainer.explain(OP, q, k, buffer[1:], w_k, gpu="h100").plan["path"] == "strided"
+
+
+@needs_nvcc
+@pytest.mark.nvcc("compile_extension", TUNED_EXTENSION)
+def test_policy_without_bulk_copies_strides_the_widest_rows():
+    """A GPU before sm_90 has no bulk-copy engine: the rows past the registers run rung 2's kernel."""
+    nvcc_jobs.result(nvcc_report.compile_extension, TUNED_EXTENSION)
+    ampere = explainer.Gpu("an sm_80 GPU", sms=108, major=8, shared_bytes_per_sm=164 * 1024,
+                           shared_bytes_per_block_optin=163 * 1024)
+    assert plan((3, 65536, 8), gpu=ampere)["path"] == "strided"
+    assert plan((3, 65536, 8))["path"] == "staged_row"
+
+
+@needs_nvcc
+@pytest.mark.nvcc("compile_extension", TUNED_EXTENSION)
+@given(tokens=st.integers(0, 40000), q_hidden=st.integers(1, 2048).map(lambda n: 32 * n),
+       k_hidden=st.integers(1, 2048).map(lambda n: 32 * n), dtype=st.sampled_from(DTYPES),
+       layout=st.sampled_from(["fused_qkv", "separate"]), sms=st.sampled_from([None, 66, 114]))
+def test_every_plan_names_a_compiled_kernel(tokens, q_hidden, k_hidden, dtype, layout, sms):
+    """Any call the policy may see: the kernel it plans is one the tuned extension compiles (the host
+    program fails on a kernel nvcc's report lacks), with a grid that covers the call."""
+    p = plan((tokens, q_hidden, k_hidden), dtype, layout, sms=sms, gpu=None if sms else "h100")
+    rows = int(p["rows"])
+    assert rows == 2 * tokens
+    if rows:
+        assert int(p["registers"]) > 0
+        rows_per_cta = 2 * int(p["block"]) // 32 if p["path"] == "warp_per_token" else 1  # a warp: a token's two rows
+        assert int(p["grid"]) * rows_per_cta >= rows

@@ -1,7 +1,9 @@
-"""cross_head_norm on a real GPU: every version at scale and around the per-CTA limits,
-torch.compile, CUDA graphs, opcheck, 64-bit strides, compute-sanitizer.
+"""cross_head_norm on a real GPU: every rung and the tuned kernel at scale and around the per-CTA
+limits, the tuned kernel's policy through the kernels a call launches (and its explain op against
+the policy compiled for the host), torch.compile, CUDA graphs, opcheck, 64-bit strides,
+compute-sanitizer.
 
-Skipped on machines without a CUDA GPU (CI); run on an H100/H200 through the device tool."""
+Skipped on machines without a CUDA GPU (CI); run on an H100/H200."""
 
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ import pytest
 import torch
 
 import cookbook
-from cookbook import registry
+from cookbook import explainer, registry
 from cookbook.ops import cross_head_norm as contract
+from cross_head_norm_plans import BENCH_PLANS, EDGE_PLANS, as_launched, choice_of_plan, launched_choices
 from helpers import ON_GPU, check_dispatch, clone_inputs, kernel_impls, launched_kernels, require, run_and_compare
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 OP = "cross_head_norm"
+COMPILED = [pytest.param(impl, id=impl.name) for impl in registry.implementations(OP, registry.COMPILED_LEVELS)]
+SHAPE_ID = lambda v: "x".join(map(str, v)) if isinstance(v, tuple) and isinstance(v[0], int) else str(v).removeprefix("torch.")  # noqa: E731
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
@@ -30,10 +35,11 @@ def test_shapes_at_scale(impl, shape, dtype):
     run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=0.0, rounding="fused")
 
 
-# v3 holds a row in registers up to 512 threads x kVecsPerThread x 16 bytes: 4096, 8192, 16384,
-# 32768 elements of a 16-bit dtype (half that in float32); one vector more changes the template
-# or, past the last, falls back to v2's streaming loop. v4 stages the row in shared memory up to
-# the opt-in limit (227 KiB on sm_90): 65536 float32 elements are past it and run v3's path.
+# Rungs 3-7 and the tuned kernel hold a row in registers up to kMaxThreads x 8 16-byte vectors
+# per thread: 4096, 8192, 16384, 32768 elements of a 16-bit dtype at 1, 2, 4, 8 vectors (half that
+# in float32); one vector more changes the kernel or, past the last, takes rung 2's strided kernel
+# (the tuned kernel: the staged row, where the shared memory takes it; 65536 float32 elements are
+# past that too).
 CTA_LIMIT_WIDTHS = [w + extra for w in (2048, 4096, 8192, 16384, 32768) for extra in (-8, 0, 8)] + [65536]
 
 
@@ -46,18 +52,19 @@ def test_widths_near_cta_limits(impl, width, dtype):
     run_and_compare(OP, impl, inputs, eps=1e-6, weight_offset=1.0, rounding="hf")
 
 
-# v8 runs one warp per token where the wider row is at most 256 16-byte vectors and the call has
-# at least 18 tokens per vector of a token (kV8TokensPerVector). These token counts are above that
-# in every dtype listed, odd (a last CTA with idle warps), and the widths take each of its kernels:
-# 1, 2, 4 and 8 vectors per lane in 16-bit dtypes, 1, 4 and 8 in float32 (4 elements a vector);
-# (5187, 2048, 256) in float32 is past 256 vectors, and (4099, 2048, 2) not 16-byte aligned: v7.
+# Rung 7 and the tuned kernel run a warp per token where the wider row is at most 256 16-byte
+# vectors (the tuned kernel: and the call has at least 18 tokens per vector of a token). These
+# token counts are above that in every dtype listed, odd (a last CTA with idle warps), and the
+# widths take each of its kernels: 1, 2, 4 and 8 vectors per lane in 16-bit dtypes, 1, 4 and 8 in
+# float32; (5187, 2048, 256) in float32 is past 256 vectors, and (4099, 2048, 2) not 16-byte
+# aligned: a CTA per row.
 NARROW_ROWS = [(401, 64, 8), (2593, 512, 64), (4033, 768, 128), (5187, 2048, 256), (4099, 2048, 2)]
 DTYPE_ROUNDINGS = [(torch.bfloat16, "fused"), (torch.float16, "hf"), (torch.float32, "fused"), (torch.float32, "hf")]
 
 
 @pytest.mark.parametrize("impl", kernel_impls(OP))
-@pytest.mark.parametrize("shape", NARROW_ROWS, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype, rounding", DTYPE_ROUNDINGS, ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("shape", NARROW_ROWS, ids=SHAPE_ID)
+@pytest.mark.parametrize("dtype, rounding", DTYPE_ROUNDINGS, ids=SHAPE_ID)
 def test_narrow_rows_at_many_tokens(impl, shape, dtype, rounding):
     """Zero rows at eps=0 too (they must come out zero), float32 weights in the fused order."""
     require(impl)
@@ -66,198 +73,127 @@ def test_narrow_rows_at_many_tokens(impl, shape, dtype, rounding):
     run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=0.5, rounding=rounding)
 
 
-# v9 launches v7's kernels on a (token, tensor) grid where q and k share a token stride wider than
-# either row (views of one fused tensor) and the rows fill the GPU at least kV9MinWaves (3) times,
-# and on v2-v8's (tokens, 2) grid otherwise. 2049 x 8192/1024 and 4097 x 6144/1024 are 3.9 and 7.8
-# waves of v7's 8-vector CTAs on a 132-SM H100/H200, 77 x 4096/512 less than one; odd token
-# counts, unequal widths, both layouts, zero rows at eps=0.
+# The tuned kernel's grids and warms: the token-major grid (fused views, three waves or more: 2049 x
+# 8192/1024 and 4097 x 6144/1024), the (tokens, 2) grid with the next wave warmed (1025 x 4096), below
+# a wave (77 x 4096/512); odd token counts, unequal widths, both layouts, zero rows at eps=0.
 @pytest.mark.parametrize("impl", kernel_impls(OP))
-@pytest.mark.parametrize("shape", [(2049, 8192, 1024), (4097, 6144, 1024), (77, 4096, 512)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(2049, 8192, 1024), (4097, 6144, 1024), (1025, 4096, 4096), (77, 4096, 512)], ids=SHAPE_ID)
 @pytest.mark.parametrize("fused_qkv", [True, False], ids=["fused_qkv", "separate"])
-def test_token_major_grid(impl, shape, fused_qkv):
+def test_grids_and_waves(impl, shape, fused_qkv):
     require(impl)
     inputs = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=shape[0], fused_qkv=fused_qkv, kind="zero_rows")
     run_and_compare(OP, impl, inputs, eps=0.0, weight_offset=0.5, rounding="hf")
 
 
-def template_args(kernel_name: str) -> list[str]:
-    """The template arguments of a profiler kernel name such as `ns::kernel<a, b>(Params)`."""
-    return [a.strip() for a in kernel_name.split(">(")[0].split("<", 1)[1].split(",")]
+def _weights_laid_out(inputs, weights):
+    """The inputs with both weights in float32 and/or one element off 16 bytes into their buffer."""
+    dtype = torch.float32 if weights.startswith("float32") else inputs["q"].dtype
+    for name in ("q_weight", "k_weight"):
+        w = inputs[name].to(dtype)
+        if weights.endswith("misaligned"):
+            buffer = torch.empty(w.numel() + 1, dtype=dtype, device="cuda")
+            buffer[1:].copy_(w)
+            w = buffer[1:]
+        inputs[name] = w
+    return inputs
 
 
-def zero_row_inputs(shape, dtype=torch.bfloat16, fused_qkv=True):
-    """check_dispatch's `make`: the contract's inputs at `shape`, zero rows included."""
+@pytest.mark.parametrize("impl", kernel_impls(OP))
+@pytest.mark.parametrize("weights", ["misaligned", "float32", "float32_misaligned"])
+@pytest.mark.parametrize("tokens", [1, 1030])
+def test_weights_of_every_layout(impl, weights, tokens):
+    """The vector paths load 16-byte weight vectors; a weight off 16 bytes takes the strided kernel."""
+    require(impl)
+    inputs = contract.make_inputs(tokens, 4096, 1024, torch.bfloat16, "cuda", seed=tokens, fused_qkv=True)
+    run_and_compare(OP, impl, _weights_laid_out(inputs, weights), eps=1e-6, weight_offset=1.0, rounding="hf")
+
+
+# ---- the tuned kernel's policy, through the kernels a call launches ------------------------------
+def _inputs(shape, dtype=torch.bfloat16, layout="fused_qkv", seed=0, weight_dtype=None):
+    return contract.make_inputs(*shape, dtype, "cuda", seed=seed, fused_qkv=layout == "fused_qkv", kind="zero_rows",
+                                weight_dtype=weight_dtype)
+
+
+def _launched(inputs, rounding="fused"):
+    tuned = registry.get(OP, "cuda_tuned")
+    args = contract.check_inputs(**inputs, eps=1e-6, weight_offset=0.0, rounding=rounding)
+    return launched_choices(launched_kernels(lambda: tuned.fn(args.q, args.k, args.q_weight, args.k_weight, args.eps,
+                                                               args.weight_offset, args.rounding)))
+
+
+def _requires_132_sms():
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the edges are set for a GPU of 132 SMs (H100 SXM, H200)")
+
+
+@pytest.mark.parametrize("shape", contract.BENCH_SHAPES, ids=SHAPE_ID)
+def test_tuned_policy_at_the_bench_shapes(shape):
+    """The former fastest version's choices, made by the tuned kernel's policy, in both roundings."""
+    _requires_132_sms()
+    t, q_hidden, k_hidden, *layout = shape
+    expected = as_launched(BENCH_PLANS[tuple(shape)])
+
     def make(seed, weight_dtype):
-        return contract.make_inputs(*shape, dtype, "cuda", seed=seed, fused_qkv=fused_qkv, kind="zero_rows",
-                                    weight_dtype=weight_dtype)
+        return _inputs((t, q_hidden, k_hidden), layout="separate" if layout else "fused_qkv", seed=seed,
+                       weight_dtype=weight_dtype)
 
-    return make
-
-
-def v3_kernel_args(names):
-    """The template arguments of each cross_head_norm_v3_kernel among the launched kernels."""
-    return [template_args(n) for n in names if "cross_head_norm_v3_kernel" in n]
+    check_dispatch(OP, "cuda_tuned", make, lambda names: launched_choices(names) == [expected])
 
 
-@pytest.mark.parametrize("shape, fused_qkv, token_major", [((2048, 8192, 8192), True, True),
-                                                     ((2048, 8192, 8192), False, False),
-                                                     ((1024, 5120, 1024), True, False)])  # 1.9 waves
-def test_v9_dispatch(shape, fused_qkv, token_major):
-    """v9's grid is token-major (the kernel's kTokenMajor template argument) exactly for fused views of
-    calls of three waves or more."""
-    from cookbook import cuda
+@pytest.mark.parametrize("shape, dtype, layout, expected", EDGE_PLANS, ids=SHAPE_ID)
+def test_tuned_policy_edges(shape, dtype, layout, expected):
+    _requires_132_sms()
 
-    cuda.load(OP)
-    x = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=1, fused_qkv=fused_qkv)
-    names = launched_kernels(lambda: cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0,
-                                                          "fused", version=9))
-    v3 = [n for n in names if "cross_head_norm_v3_kernel" in n]
-    assert len(v3) == 1, names
-    assert template_args(v3[0])[5] == ("true" if token_major else "false"), v3  # kTokenMajor
+    def make(seed, weight_dtype):
+        return _inputs(shape, dtype, layout, seed, weight_dtype)
+
+    check_dispatch(OP, "cuda_tuned", make, lambda names: launched_choices(names) == [as_launched(expected)])
 
 
-# v10 launches v3's kernel with the weights loaded with the row (its last template argument) where
-# a call is fewer than kV9MinWaves (3) waves of resident CTAs at up to 4 vectors per thread: one
-# token (2 vectors of 512 threads in bf16, 4 in float32), 1024 x 4096 in bf16 (1-2 waves),
-# 300 x 1024/256; not at 8 vectors per thread (1024 x 4096 in float32, 32768-wide bf16 rows; the
-# float32 ones take the bulk copy) nor at 8192 x 4096 (many waves: v9's token-major grid).
-@pytest.mark.parametrize("shape, held", [((1, 8192, 8192), {torch.bfloat16: True, torch.float32: True}),
-                                         ((1024, 4096, 4096), {torch.bfloat16: True, torch.float32: False}),
-                                         ((300, 1024, 256), {torch.bfloat16: True, torch.float32: True}),
-                                         ((2, 32768, 1024), {torch.bfloat16: False, torch.float32: False}),
-                                         ((8192, 4096, 4096), {torch.bfloat16: False, torch.float32: False})],
-                         ids=["1x8192", "1024x4096", "300x1024x256", "2x32768x1024", "8192x4096"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda v: str(v).removeprefix("torch."))
-def test_v10_dispatch(shape, held, dtype):
-    """v10 holds the weights with the row exactly in small calls at up to 4 vectors per thread, and
-    agrees with the reference in both roundings with either weight storage."""
-    from cookbook import cuda
-
-    cuda.load(OP)
-    for rounding, weight_dtype in (("fused", torch.float32), ("hf", None)):
-        x = contract.make_inputs(*shape, dtype, "cuda", seed=2, fused_qkv=True, kind="zero_rows",
-                                 weight_dtype=weight_dtype)
-        names = launched_kernels(lambda: cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6,
-                                                              0.5, rounding, version=10))
-        v3 = v3_kernel_args(names)
-        assert any(args[6] == "true" for args in v3) == held[dtype], names  # kWeightsWithRow
-        x = contract.make_inputs(*shape, dtype, "cuda", seed=3, fused_qkv=True, kind="zero_rows",
-                                 weight_dtype=weight_dtype)
-        run_and_compare(OP, registry.get(OP, "cuda_v10"), x, eps=0.0, weight_offset=0.5, rounding=rounding)
+SHAPES_TO_EXPLAIN = [(tuple(s[:3]), "separate" if len(s) > 3 else "fused_qkv", torch.bfloat16) for s in contract.BENCH_SHAPES] + \
+    [(shape, layout, dtype) for shape, dtype, layout, _ in EDGE_PLANS]
 
 
-# v11 warms the row a wave ahead (the kernel's last template argument) where v9 keeps the (tokens,
-# 2) grid with at least one wave and fewer than kV9MinWaves (3): 1025 x 4096 (v10's held kernel,
-# 1.9 waves) and 1023 x 5120/1024 (8 vectors per thread, not held), not at one token (below a
-# wave) nor at 2048 x 8192 fused (3.9 waves, token-major).
-@pytest.mark.parametrize("shape, ahead", [((1025, 4096, 4096), True), ((1023, 5120, 1024), True),
-                                          ((1, 8192, 8192), False), ((2048, 8192, 8192), False)],
-                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_v11_dispatch(shape, ahead):
-    def picked(names):  # one v3 kernel, its kWarmAhead flag as expected
-        v3 = v3_kernel_args(names)
-        return len(v3) == 1 and (v3[0][7] == "true") == ahead
-
-    check_dispatch(OP, 11, zero_row_inputs(shape), picked)
-
-
-# v12 launches v9's token-major kernel compiled for kV7Threads (its last template argument, 128)
-# where v9 takes the token-major grid (fused views of three waves or more; 6144/1024 included, where
-# v7 would launch 96 threads) and 128 threads hold the wider row: not float32 rows of 8192 (16
-# vectors per thread at 128 threads; v9's 256-thread kernel), separate tensors or 1.9-wave calls.
-@pytest.mark.parametrize("shape, dtype, fused_qkv, fixed",
-                         [((2048, 8192, 8192), torch.bfloat16, True, True),
-                          ((4096, 6144, 1024), torch.bfloat16, True, True),
-                          ((2048, 4096, 1024), torch.float32, True, True),
-                          ((2048, 8192, 8192), torch.float32, True, False),
-                          ((2048, 8192, 8192), torch.bfloat16, False, False),
-                          ((1023, 5120, 1024), torch.bfloat16, True, False)],
-                         ids=["2048x8192-fused", "4096x6144x1024-fused", "2048x4096x1024-fp32-fused",
-                              "2048x8192-fp32-fused", "2048x8192-separate", "1023x5120x1024-fused"])
-def test_v12_dispatch(shape, dtype, fused_qkv, fixed):
-    def picked(names):  # one v3 kernel, its kBlockThreads as expected
-        v3 = v3_kernel_args(names)
-        return len(v3) == 1 and v3[0][8] == ("128" if fixed else "0")
-
-    check_dispatch(OP, 12, zero_row_inputs(shape, dtype, fused_qkv), picked)
+@pytest.mark.parametrize("shape, layout, dtype", SHAPES_TO_EXPLAIN, ids=SHAPE_ID)
+@pytest.mark.parametrize("rounding", ["fused", "hf"])
+def test_explain_on_the_gpu_is_the_policy_on_the_host_and_what_runs(shape, layout, dtype, rounding):
+    """The tuned extension's explain op (the launcher's own plan, the driver's occupancy) equals the
+    policy compiled for the host for this GPU (nvcc's registers, the occupancy calculator), and the
+    kernel it names is the kernel the call launches."""
+    inputs = _inputs(shape, dtype, layout)
+    on_gpu = explainer.explain(OP, *inputs.values(), rounding=rounding)
+    on_host = explainer.explain(OP, *inputs.values(), rounding=rounding, gpu=explainer.Gpu.of_device())
+    assert on_gpu.source.startswith("the GPU") and on_host.source.startswith("the policy compiled for the host")
+    assert on_gpu.plan == on_host.plan, (on_gpu.plan, on_host.plan)
+    assert _launched(inputs, rounding) == [as_launched(choice_of_plan(on_gpu.plan))]
 
 
-# v13 launches every kernel of launch_v7_if_rows_fill_gpu with kWarmOwnRow (its last template
-# argument): calls of a wave of CTAs or more, on either grid, in both dtypes; how many CTAs warm
-# is a launch parameter (none past kV13MaxCallBytes), so 8192 x 8192 (512 MiB) launches the same
-# kernel. Not at one token (below a wave) nor at narrow rows of many tokens (v8's warp per token).
-@pytest.mark.parametrize("shape, dtype, fused_qkv, warm",
-                         [((2048, 8192, 8192), torch.bfloat16, True, True),
-                          ((1025, 4096, 4096), torch.bfloat16, True, True),
-                          ((2048, 8192, 8192), torch.float32, True, True),
-                          ((2048, 8192, 8192), torch.bfloat16, False, True),
-                          ((8192, 8192, 8192), torch.bfloat16, True, True),
-                          ((1, 8192, 8192), torch.bfloat16, True, False),
-                          ((8192, 2048, 256), torch.bfloat16, True, False)],
-                         ids=["2048x8192-fused", "1025x4096-fused", "2048x8192-fp32-fused", "2048x8192-separate",
-                              "8192x8192-fused", "1x8192", "8192x2048x256-fused"])
-def test_v13_dispatch(shape, dtype, fused_qkv, warm):
-    def picked(names):  # one warming v3 kernel, or none that warms
-        v3 = v3_kernel_args(names)
-        return (len(v3) == 1 and v3[0][9] == "true") if warm else all(args[9] == "false" for args in v3)
-
-    check_dispatch(OP, 13, zero_row_inputs(shape, dtype, fused_qkv), picked)
-
-
-# v14 launches v3's two-vector kernel warming its row (its second and last template arguments)
-# off v9's token-major grid, at rows of 513 to 1024 vectors (4097-8192 bf16, 2049-4096 float32)
-# with q and k within 2x of each other, in calls of a wave of v7's CTAs or more: fused views below
-# three waves, separate tensors at any count. Not on the token-major grid (2048 x 8192 fused), not
-# past the width ratio (8192/4088 bf16: 1024 against 511 vectors; GQA 6144/1024), not at 4096 bf16
-# (4 vectors per thread in v7's CTA) nor below a wave (one token).
-@pytest.mark.parametrize("shape, dtype, fused_qkv, v3_cta",
-                         [((1536, 8192, 8192), torch.bfloat16, True, True),
-                          ((2048, 8192, 8192), torch.bfloat16, False, True),
-                          ((1536, 8192, 4096), torch.bfloat16, False, True),
-                          ((1024, 7168, 7168), torch.bfloat16, False, True),
-                          ((2048, 4096, 4096), torch.float32, False, True),
-                          ((2048, 8192, 8192), torch.bfloat16, True, False),
-                          ((1536, 8192, 4088), torch.bfloat16, False, False),
-                          ((1024, 6144, 1024), torch.bfloat16, True, False),
-                          ((2048, 4096, 4096), torch.bfloat16, False, False),
-                          ((1, 8192, 8192), torch.bfloat16, False, False)],
-                         ids=["1536x8192-fused", "2048x8192-separate", "1536x8192x4096-separate",
-                              "1024x7168-separate", "2048x4096-fp32-separate", "2048x8192-fused",
-                              "1536x8192x4088-separate", "1024x6144x1024-fused", "2048x4096-separate", "1x8192"])
-def test_v14_dispatch(shape, dtype, fused_qkv, v3_cta):
-    def picked(names):  # one v3 kernel at two vectors per thread warming its row, or no such kernel
-        v14_kernel = lambda args: args[1] == "2" and args[9] == "true"  # noqa: E731
-        v3 = v3_kernel_args(names)
-        return (len(v3) == 1 and v14_kernel(v3[0])) if v3_cta else not any(v14_kernel(args) for args in v3)
-
-    check_dispatch(OP, 14, zero_row_inputs(shape, dtype, fused_qkv), picked)
-
-
-# v13's first CTAs prefetch their rows before griddepcontrol.wait, while the kernel before them
-# may still be writing those rows. Two calls chained on the same tensors (the second normalizes
-# the first's output), eagerly and replayed from a CUDA graph, must give v12's bytes exactly (the
-# same arithmetic): a load moved before the wait would read the first call's input instead.
-@pytest.mark.parametrize("shape", [(2048, 4096, 1024), (1025, 4096, 4096)], ids=["many-waves", "two-waves"])
-def test_v13_chained_calls_read_the_previous_calls_output(shape):
-    from cookbook import cuda
-
-    cuda.load(OP)
+# The first CTAs of a launch warm their own row into L2 before griddepcontrol.wait, while the kernel
+# before them may still be writing those rows. Two calls chained on the same tensors (the second
+# normalizes the first's output), back to back and replayed from a CUDA graph, must give the bytes of
+# the same two calls with the device synchronized between them: a load moved before the wait would
+# read the first call's input instead.
+@pytest.mark.parametrize("shape", [(2048, 4096, 1024), (1025, 4096, 4096), (1536, 8192, 8192)],
+                         ids=["many-waves", "two-waves", "like-rows"])
+def test_chained_calls_read_the_previous_calls_output(shape):
     inputs = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=5, fused_qkv=True)
 
-    def twice(x, version):
+    def twice(x, synchronize):
         for _ in range(2):
-            cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
+            cookbook.cross_head_norm(**x, backend="cuda")
+            if synchronize:
+                torch.cuda.synchronize()
 
     expected = clone_inputs(inputs)
-    twice(expected, 12)
+    twice(expected, synchronize=True)
     eager = clone_inputs(inputs)
-    twice(eager, 13)
+    twice(eager, synchronize=False)
     static = clone_inputs(inputs)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        twice(static, 13)
+        twice(static, synchronize=False)
     torch.cuda.current_stream().wait_stream(stream)
     for name in ("q", "k"):
         static[name].copy_(inputs[name])
@@ -273,7 +209,7 @@ def test_token_stride_beyond_int32(impl):
     """A token stride over 2^31 elements must not overflow the kernels' index arithmetic."""
     require(impl)
     hidden = 1024
-    stride = 2**31 + 8 * hidden  # elements; keeps 16-byte alignment so v3 takes its vector path
+    stride = 2**31 + 8 * hidden  # elements; keeps 16-byte alignment so the vector paths run
     try:
         storage = torch.zeros(stride + hidden, dtype=torch.bfloat16, device="cuda")
     except torch.OutOfMemoryError:
@@ -309,8 +245,9 @@ def test_torch_compile_fullgraph(fused_qkv):
     assert torch.equal(inputs["q"], eager["q"]) and torch.equal(inputs["k"], eager["k"])
 
 
-def test_cuda_graph_capture_and_replay():
-    inputs = contract.make_inputs(256, 8192, 1024, torch.bfloat16, "cuda", seed=3, fused_qkv=True)
+@pytest.mark.parametrize("shape", [(256, 8192, 1024), (4096, 6144, 1024), (16384, 768, 128)], ids=SHAPE_ID)
+def test_cuda_graph_capture_and_replay(shape):
+    inputs = contract.make_inputs(*shape, torch.bfloat16, "cuda", seed=3, fused_qkv=True)
     static = clone_inputs(inputs)
     cookbook.cross_head_norm(**clone_inputs(inputs), backend="cuda")  # build and load outside capture
     stream = torch.cuda.Stream()
@@ -328,37 +265,37 @@ def test_cuda_graph_capture_and_replay():
     assert torch.equal(static["q"], expected["q"]) and torch.equal(static["k"], expected["k"])
 
 
-@pytest.mark.parametrize("version", [impl.version for impl in registry.implementations(OP, ("cuda",))])
-def test_opcheck(version):
+@pytest.mark.parametrize("impl", COMPILED)
+def test_opcheck(impl):
     from cookbook import cuda
 
-    cuda.load(OP)
+    op = cuda.load_extension(impl.extension)
     inputs = contract.make_inputs(16, 2048, 512, torch.bfloat16, "cuda", seed=4)
-    args = (inputs["q"], inputs["k"], inputs["q_weight"], inputs["k_weight"], 1e-6, 0.0, False, version)
-    torch.library.opcheck(torch.ops.cookbook.cross_head_norm.default, args)
+    args = (inputs["q"], inputs["k"], inputs["q_weight"], inputs["k_weight"], 1e-6, 0.0, False)
+    torch.library.opcheck(op.default, args)
 
 
-def test_auto_backend_is_the_last_cuda_version():
-    assert registry.resolve(OP, "auto", "cuda") is registry.latest(OP, "cuda")
+def test_auto_and_cuda_run_the_tuned_kernel():
+    tuned = registry.get(OP, "cuda_tuned")
+    assert registry.resolve(OP, "auto", "cuda") is tuned and registry.resolve(OP, "cuda", "cuda") is tuned
 
 
 SANITIZED = """
-import torch, cookbook, cookbook.cuda
+import torch
 from cookbook import registry
 from cookbook.ops import cross_head_norm as contract
-for version in [impl.version for impl in registry.implementations("cross_head_norm", ("cuda",))]:
-    for fused in (False, True):
-        for q_hidden, k_hidden in ((4096, 1024), (32776, 96)):
-            x = contract.make_inputs(3, q_hidden, k_hidden, torch.bfloat16, "cuda", seed=version, fused_qkv=fused)
-            cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
-    x = contract.make_inputs(801, 256, 64, torch.bfloat16, "cuda", seed=version, fused_qkv=True)  # v8's warp per token
-    cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
-    x = contract.make_inputs(1100, 4096, 1024, torch.bfloat16, "cuda", seed=version, fused_qkv=True)  # a wave or more
-    cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
-    x = contract.make_inputs(1100, 7176, 6144, torch.bfloat16, "cuda", seed=version)  # v14's v3 CTA, partly filled
-    cookbook.cuda.cross_head_norm(x["q"], x["k"], x["q_weight"], x["k_weight"], 1e-6, 0.0, "fused", version=version)
-x = contract.make_inputs(3, 130, 64, torch.float16, "cuda", fused_qkv=True)
-cookbook.cross_head_norm(**x, backend="cuda", rounding="hf")
+cases = [(3, 4096, 1024, True), (3, 4096, 1024, False), (3, 32776, 96, True), (3, 65536, 8, True),  # strided, staged
+         (801, 256, 64, True),  # a warp per token
+         (1100, 4096, 1024, True), (1025, 4096, 4096, False),  # a wave and more: held weights, the next wave warmed
+         (1100, 7176, 6144, False), (2049, 8192, 1024, True)]  # like rows, partly filled; the token-major grid
+for impl in registry.implementations("cross_head_norm", registry.COMPILED_LEVELS):
+    for t, q_hidden, k_hidden, fused in cases:
+        x = contract.make_inputs(t, q_hidden, k_hidden, torch.bfloat16, "cuda", seed=t, fused_qkv=fused)
+        args = contract.check_inputs(**x, eps=1e-6, weight_offset=0.0, rounding="fused")
+        impl.fn(args.q, args.k, args.q_weight, args.k_weight, args.eps, args.weight_offset, args.rounding)
+    x = contract.make_inputs(3, 130, 64, torch.float16, "cuda", fused_qkv=True)
+    args = contract.check_inputs(**x, eps=1e-6, weight_offset=1.0, rounding="hf")
+    impl.fn(args.q, args.k, args.q_weight, args.k_weight, args.eps, args.weight_offset, args.rounding)
 torch.cuda.synchronize()
 print("sanitized run done")
 """
@@ -369,7 +306,7 @@ print("sanitized run done")
 def test_compute_sanitizer(tool):
     from cookbook import cuda
 
-    cuda.load(OP)  # build outside the sanitizer (much faster), the child reuses the cache
+    cuda.build([impl.extension for impl in registry.implementations(OP, registry.COMPILED_LEVELS)])  # outside the sanitizer
     run = subprocess.run(
         ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", sys.executable, "-c", SANITIZED],
         capture_output=True, text=True, timeout=600,

@@ -98,7 +98,8 @@ def test_docs_page_is_the_table():
 
 
 # The README, the walkthrough's first op and each op page link the table.
-LINKED_FROM = ("README.md", "notebooks/01_qk_norm.py", "docs/qk_norm.md", "docs/tp_qk_norm.md")
+LINKED_FROM = ("README.md", "notebooks/01_qk_norm.py", "docs/qk_norm.md", "docs/cross_head_norm.md", "docs/tp_qk_norm.md",
+               "docs/qk_norm_rope.md")
 
 
 def test_the_lesson_links_the_table():

@@ -35,10 +35,11 @@ def test_backend_cuda_runs_the_tuned_kernel_where_there_is_one(op):
     assert registry.fastest(op) is (tuned[0] if tuned else registry.latest(op, "cuda"))
 
 
-def test_qk_norm_is_a_short_ladder_and_one_tuned_kernel():
+@pytest.mark.parametrize("op", ["qk_norm", "cross_head_norm"])
+def test_ladder_ops_are_a_short_ladder_and_one_tuned_kernel(op):
     """Each rung and the tuned kernel is its own kernel file and its own extension."""
-    rungs = registry.implementations("qk_norm", ("cuda",))
+    rungs = registry.implementations(op, ("cuda",))
     assert 5 <= len(rungs) <= 8
-    (tuned,) = registry.implementations("qk_norm", ("tuned",))
+    (tuned,) = registry.implementations(op, ("tuned",))
     extensions = [impl.extension.name for impl in rungs + [tuned]]
     assert len(set(extensions)) == len(extensions) and all(impl.kernel for impl in rungs + [tuned])

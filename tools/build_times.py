@@ -2,16 +2,19 @@
 """How long a new user waits for an op's CUDA C kernels, from an empty build cache (GPU machine).
 
     python tools/build_times.py qk_norm
+    python tools/build_times.py cross_head_norm --cache /tmp/cookbook-build   # keep the whole op's build
 
 Two fresh processes, each with its own empty cache: (1) the first `backend="auto"` call, timed
 from before `import cookbook` to the synchronized result (it builds the tuned kernel only);
 (2) the whole op, every rung and the tuned kernel, built in parallel (what the benchmark does
-first). Writes docs/results/<op>_<gpu>_builds.{md,json}: wall seconds, each extension's seconds,
-the machine's cores.
+first), in `--cache` where given (an empty or new folder, kept for the runs that follow: point
+COOKBOOK_BUILD_DIR at it), else in a temporary one. Writes docs/results/<op>_<gpu>_builds.{md,json}:
+wall seconds, each extension's seconds, the machine's cores.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -49,10 +52,17 @@ print(json.dumps({{"seconds": time.perf_counter() - start, "failed": failed,
 """
 
 
-def fresh_run(script: str) -> dict:
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "COOKBOOK_BUILD_DIR": cache, "PYTHONPATH": str(ROOT)}
-        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
+def fresh_run(script: str, cache: Path | None = None) -> dict:
+    """The JSON line `script` prints last, run in a fresh process whose build cache is `cache` (which
+    must be empty: the build starts from nothing) or a temporary folder."""
+    if cache is None:
+        with tempfile.TemporaryDirectory() as temporary:
+            return fresh_run(script, Path(temporary))
+    if cache.exists() and any(cache.iterdir()):
+        raise SystemExit(f"--cache: {cache} is not empty; the build must start from an empty cache")
+    cache.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "COOKBOOK_BUILD_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
     if run.returncode != 0:
         raise RuntimeError(run.stderr[-3000:])
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -64,9 +74,13 @@ def main(argv=None) -> int:
     from cookbook import bench
 
     argv = sys.argv[1:] if argv is None else argv
-    op = argv[0] if argv else "qk_norm"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("op", nargs="?", default="qk_norm")
+    parser.add_argument("--cache", type=Path, help="build the whole op here and keep it (an empty or new folder)")
+    args = parser.parse_args(argv)
+    op = args.op
     first = fresh_run(FIRST_CALL.format(op=op))
-    whole = fresh_run(WHOLE_OP.format(op=op))
+    whole = fresh_run(WHOLE_OP.format(op=op), args.cache)
     meta = bench.metadata(shlex.join(["python", "tools/build_times.py", op]), 0.0, torch.bfloat16)
     meta.update(cpu_cores=os.cpu_count())
     rows = [["first `backend=\"auto\"` call (import to result)", f"{first['seconds']:.1f}",

@@ -1,21 +1,23 @@
 #!/usr/bin/env python3
-"""Old against new in one run on one GPU: an op's tuned kernel against the fastest version of an
-earlier commit, at every bench shape, with the benchmark's own timing.
+"""Old against new in one run on one GPU: an op's tuned kernel against an earlier commit's fastest.
+
+At every bench shape, with the benchmark's own timing:
 
     git archive <commit> kernels_cuda | tar -x -C /tmp/old        # the earlier commit's kernels
     python tools/compare_tuned.py --old-kernels /tmp/old/kernels_cuda --old-commit <commit> --old-version 14
     python tools/compare_tuned.py --old-kernels /tmp/old/kernels_cuda --old-commit <commit> --old-version tuned
-    python tools/compare_tuned.py --op qk_norm_rope --old-kernels /tmp/old/kernels_cuda --old-commit <commit> --old-version 9
+    python tools/compare_tuned.py --op cross_head_norm --old-kernels DIR --old-commit <commit> --old-version 6,13,14
+    python tools/compare_tuned.py --op qk_norm_rope --old-kernels DIR --old-commit <commit> --old-version 9
 
 The earlier commit's kernels (the older layout: every version in one header, `bindings/<op>.cu`
 registering `torch.ops.cookbook.<op>(..., version)`; or the ladder layout's tuned kernel, with
 `--old-version tuned`) are built as their own extension beside this checkout's; both are checked
 against the contract, then timed in the order old, new, new, old at every shape (the two timings
-of each show the run's noise). Writes docs/results/<op>_<gpu>_tuned_vs_<commit>.{md,json}.
-`--build-only` builds both and stops (the older layout's one translation unit takes minutes:
-start it early, beside other work; the timing run then loads it from the cache).
-
-How each op's kernels are called is its entry of OPS below.
+of each show the run's noise). Several old versions (`--old-version 6,13,14`): at each shape each
+is timed once first and the fastest of them is the old candidate there. Writes
+docs/results/<op>_<gpu>_tuned_vs_<commit>.{md,json}. `--build-only` builds both and stops (the
+older layout's one translation unit takes minutes: start it early; the timing run loads it from
+the cache). How each op's kernels are called: its entry of CALLS below.
 """
 
 from __future__ import annotations
@@ -35,12 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cookbook import bench, cuda, registry  # noqa: E402
 from cookbook.bench import sweep  # noqa: E402
 
-ORDER = ("old", "new", "new", "old")  # each timed twice, interleaved
-
-
 # ---- the ops: how the tool calls an extension's torch op with the registry's arguments ----------
-def _qk_norm_call(op, *version):
-    """The registry's qk_norm arguments -> op(q, k, q_weight, k_weight, eps, weight_offset, hf[, version])."""
+def _norm_call(op, *version):
+    """The registry's qk_norm / cross_head_norm arguments -> op(q, k, q_weight, k_weight, eps,
+    weight_offset, hf[, version])."""
     def run(q, k, q_weight, k_weight, eps, weight_offset, rounding):
         op(q, k, q_weight, k_weight, eps, weight_offset, rounding == "hf", *version)
 
@@ -58,7 +58,9 @@ def _qk_norm_rope_call(op, *version):
     return run
 
 
-OPS = {"qk_norm": _qk_norm_call, "qk_norm_rope": _qk_norm_rope_call}
+CALLS = {"qk_norm": _norm_call, "cross_head_norm": _norm_call, "qk_norm_rope": _qk_norm_rope_call}
+OPS = tuple(CALLS)  # the ops in the ladder layout, with a tuned kernel
+ORDER = ("old", "new", "new", "old")  # each timed twice, interleaved
 
 
 @dataclass
@@ -92,12 +94,12 @@ def old_tuned_candidate(op: str, kernels: Path, commit: str) -> Candidate:
                            extra_include_paths=[str(kernels)], extra_cflags=cuda.CXX_FLAGS,
                            extra_cuda_cflags=cuda.CUDA_FLAGS, build_directory=str(directory), is_python_module=False)
 
-    return Candidate(f"cuda_tuned@{commit}", "tuned", 0, OPS[op](getattr(torch.ops.cookbook, name)))
+    return Candidate(f"cuda_tuned@{commit}", "tuned", 0, CALLS[op](getattr(torch.ops.cookbook, name)))
 
 
-def old_candidate(op: str, kernels: Path, commit: str, version: int) -> Candidate:
-    """Version `version` of an earlier commit's older layout: `kernels_cuda/<op>.cuh` through
-    `bindings/<op>.cu` (one translation unit), registering `cookbook::<op>(..., version)`."""
+def old_candidates(op: str, kernels: Path, commit: str, versions: list[int]) -> list[Candidate]:
+    """Versions of an earlier commit in the older layout: its one extension, built once from
+    `bindings/<op>.cu`, registering `torch.ops.cookbook.<op>(..., version)`."""
     from torch.utils import cpp_extension
 
     directory = Path(cuda._build_root()) / f"{op}-old-{commit}"
@@ -106,17 +108,33 @@ def old_candidate(op: str, kernels: Path, commit: str, version: int) -> Candidat
         cpp_extension.load(name=f"cookbook_{op}_{commit}", sources=[str(kernels / "bindings" / f"{op}.cu")],
                            extra_include_paths=[str(kernels)], extra_cflags=cuda.CXX_FLAGS,
                            extra_cuda_cflags=cuda.CUDA_FLAGS, build_directory=str(directory), is_python_module=False)
-    return Candidate(f"cuda_v{version}@{commit}", "cuda", version, OPS[op](getattr(torch.ops.cookbook, op), version))
+
+    return [Candidate(f"cuda_v{version}@{commit}", "cuda", version, CALLS[op](getattr(torch.ops.cookbook, op), version))
+            for version in versions]
+
+
+def fastest_of(case, candidates: list[Candidate], copy_gb_per_s, progress) -> Candidate:
+    """The candidate of `candidates` with the shortest median at `case` (each timed once)."""
+    if len(candidates) == 1:
+        return candidates[0]
+    medians = {}
+    for candidate in candidates:
+        progress.begin(f"{case.base_row['label']} {candidate.name} (choosing the old candidate)")
+        medians[candidate.name] = sweep.bench_impl(case, candidate, copy_gb_per_s, None, progress)["median_us"]
+        progress.end()
+    timed = [c for c in candidates if medians[c.name] is not None]
+    return min(timed, key=lambda c: medians[c.name]) if timed else candidates[0]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", default="qk_norm", choices=sorted(OPS))
-    parser.add_argument("--build-only", action="store_true", help="build both candidates' extensions, time nothing")
     parser.add_argument("--old-kernels", type=Path, required=True, help="the earlier commit's kernels_cuda/")
     parser.add_argument("--old-commit", required=True)
+    parser.add_argument("--op", default="qk_norm", choices=OPS)
+    parser.add_argument("--build-only", action="store_true", help="build both candidates' extensions, time nothing")
     parser.add_argument("--old-version", required=True,
-                        help="its fastest CUDA C version (the older layout), or 'tuned' (the ladder layout's tuned kernel)")
+                        help="its fastest CUDA C version (the older layout; several comma-separated: the fastest of "
+                             "them at each shape), or 'tuned' (the ladder layout's tuned kernel)")
     parser.add_argument("--results-dir", type=Path, default=bench.REPO_ROOT / "docs" / "results")
     args = parser.parse_args(argv)
     command = shlex.join(["python", "tools/compare_tuned.py", *(argv if argv is not None else sys.argv[1:])])
@@ -125,19 +143,22 @@ def main(argv=None) -> int:
     tuned = registry.get(op, "cuda_tuned")
     cuda.build([tuned.extension])
     if args.old_version == "tuned":
-        old = old_tuned_candidate(op, args.old_kernels.resolve(), args.old_commit)
+        olds = [old_tuned_candidate(op, args.old_kernels.resolve(), args.old_commit)]
     else:
-        old = old_candidate(op, args.old_kernels.resolve(), args.old_commit, int(args.old_version))
+        versions = [int(v) for v in args.old_version.split(",")]
+        olds = old_candidates(op, args.old_kernels.resolve(), args.old_commit, versions)
     if args.build_only:
-        print(f"built {old.name} and {tuned.name}")
+        print(f"built {', '.join(c.name for c in olds)} and {tuned.name}")
         return 0
     new = Candidate(tuned.name, tuned.level, tuned.version, tuned.fn)
     contract = registry.contract(op)
     copy_gb_per_s = bench.copy_bandwidth_gb_per_s()
-    progress = bench.Progress(len(contract.BENCH_SHAPES) * len(ORDER))
+    choosing = len(olds) if len(olds) > 1 else 0
+    progress = bench.Progress(len(contract.BENCH_SHAPES) * (len(ORDER) + choosing))
     rows = []
     for shape in contract.BENCH_SHAPES:
         case = bench.prepare_shape(op, contract, shape, bench.DEFAULT_DTYPE)
+        old = fastest_of(case, olds, copy_gb_per_s, progress)
         timed = []
         for which in ORDER:
             candidate = old if which == "old" else new
@@ -149,28 +170,35 @@ def main(argv=None) -> int:
             print(f"!! {case.base_row['label']}: a candidate failed: {[row['agreement'] or row['error'] for _, row in timed]}")
             return 1
         old_us, new_us = min(medians["old"]), min(medians["new"])
-        rows.append(dict(label=case.base_row["label"], shape=list(shape), old_us=medians["old"], new_us=medians["new"],
-                         ratio=new_us / old_us, old_pct=timed[0][1]["pct_of_copy"], new_pct=timed[1][1]["pct_of_copy"]))
+        rows.append(dict(label=case.base_row["label"], shape=list(shape), old=old.name, old_us=medians["old"],
+                         new_us=medians["new"], ratio=new_us / old_us, old_pct=timed[0][1]["pct_of_copy"],
+                         new_pct=timed[1][1]["pct_of_copy"]))
         torch.cuda.empty_cache()
     progress.close()
     meta = bench.metadata(command, copy_gb_per_s, bench.DEFAULT_DTYPE)
-    meta["old"] = {"commit": args.old_commit, "implementation": old.name}
-    write(op, rows, meta, args.results_dir, old.name)
+    old_name = olds[0].name if len(olds) == 1 else \
+        f"the fastest of {', '.join(c.name.split('@')[0] for c in olds)}@{args.old_commit}"
+    meta["old"] = {"commit": args.old_commit, "implementation": old_name}
+    write(op, rows, meta, args.results_dir, old_name)
     return 0
 
 
 def write(op: str, rows, meta, results_dir: Path, old_name: str) -> None:
-    body = [[r["label"], " / ".join(f"{us:.2f}" for us in r["old_us"]), " / ".join(f"{us:.2f}" for us in r["new_us"]),
-             f"{r['ratio']:.3f}", f"{r['old_pct']:.1f} %", f"{r['new_pct']:.1f} %"] for r in rows]
-    table = bench.markdown_table(["shape", f"{old_name} us (1st / 2nd)", "cuda_tuned us (1st / 2nd)",
-                                  "best new / best old", "old % of copy", "new % of copy"], body)
+    several = any(r.get("old") != rows[0].get("old") for r in rows) or old_name.startswith("the fastest")
+    body = [[r["label"], *([r["old"].split("@")[0]] if several else []), " / ".join(f"{us:.2f}" for us in r["old_us"]),
+             " / ".join(f"{us:.2f}" for us in r["new_us"]), f"{r['ratio']:.3f}", f"{r['old_pct']:.1f} %",
+             f"{r['new_pct']:.1f} %"] for r in rows]
+    headers = ["shape", *(["old version"] if several else []), f"{'old' if several else old_name} us (1st / 2nd)",
+               "cuda_tuned us (1st / 2nd)", "best new / best old", "old % of copy", "new % of copy"]
+    table = bench.markdown_table(headers, body)
     stem = f"{op}_{meta['gpu_slug']}_tuned_vs_{meta['old']['commit']}"
     page = [f"# {op}: the tuned kernel against {old_name}, one run, {meta['gpu']}", "",
             "Written by `tools/compare_tuned.py`: do not edit by hand, run the command again.", "",
             f"- GPU: {meta['gpu']}; torch {meta['torch']}, CUDA {meta['cuda']}",
             f"- date: {meta['date']}; commit: {meta['commit']}; old: {meta['old']['commit']}",
             f"- command: `{meta['command']}`",
-            f"- timing: {meta['timing']}; each candidate timed twice, in the order old, new, new, old",
+            f"- timing: {meta['timing']}; each candidate timed twice, in the order old, new, new, old"
+            + ("; the old version at each shape: the fastest of a first timing of each" if several else ""),
             f"- device-to-device copy: {meta['copy_tb_per_s']:.2f} TB/s", "", table, ""]
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / f"{stem}.md").write_text("\n".join(page))

@@ -17,7 +17,7 @@
 #       integrations tests/test_integrations.py (the patched Qwen3 and FLUX forwards on the GPU)
 #       compare      tools/compare_tuned.py: old v9 against the tuned kernel at every bench shape,
 #                    old, new, new, old -> docs/results/qk_norm_rope_<gpu>_tuned_vs_<commit>.{md,json}
-#       bench        python -m cookbook bench --ops qk_norm_rope (rungs, tuned, reference, peers; no
+#       bench        the benchmark of qk_norm_rope, --results-dir docs/results (rungs, tuned, reference, peers; no
 #                    Numba) -> docs/results/qk_norm_rope_<gpu>.{md,json,png}
 #       builds       tools/build_times.py qk_norm_rope: first auto call and the whole op from empty
 #                    caches -> docs/results/qk_norm_rope_<gpu>_builds.{md,json}

@@ -1,5 +1,5 @@
 """GPU probe (`python tools/layout_probe.py [cross_head_norm|qk_norm]`; results in
-docs/cross_head_norm.md and docs/qk_norm.md): the op's fastest CUDA C kernel (`backend="cuda"`) with q and k as views
+docs/results/cross_head_norm_h200_history.md and docs/qk_norm.md): the op's fastest CUDA C kernel (`backend="cuda"`) with q and k as views
 of one fused qkv tensor (the bench's layout: for cross_head_norm at 8192 a q row of 16 KB in
 every 48 KB, for qk_norm at 8/1 heads q's 2 KB and k's 256 bytes in every 2.5 KB) against q and k
 as separate contiguous tensors, alternating twice per shape. Timed with the bench's machinery

@@ -1,4 +1,4 @@
-"""GPU probe (`python tools/row_probe.py`; results in docs/cross_head_norm.md): what a row-reduce
+"""GPU probe (`python tools/row_probe.py`; results in docs/results/cross_head_norm_h200_history.md): what a row-reduce
 kernel can reach when a CTA must read its whole row before it writes any of it (the shape of
 cross_head_norm's v3 kernel: load the row into registers, block sum of squares, scale, store),
 with contiguous rows, at the bytes of 2048 x 8192, 8192 x 8192 and 1024 x 4096 bf16 q and k.

@@ -39,7 +39,7 @@ def one_rank_group() -> None:
 def call_of(name: str, sets):
     """(fn, per-set args) of a row: a registered tp_qk_norm implementation or the local shard."""
     if name == LOCAL:
-        local = registry.latest("cross_head_norm", "cuda").fn
+        local = registry.fastest("cross_head_norm").fn
         return local, [(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding) for a, _ in sets]
     return registry.get("tp_qk_norm", name).build(), [bench.positional(a) for a, _ in sets]
 

@@ -14,7 +14,7 @@ holds its shard (q and k as views into one fused qkv shard) and times, side by s
   of one call against the gathered float64 reference;
 * the communication alone: the NCCL all-reduce of the ``[T, 2]`` sums, and PyTorch's
   symmetric-memory one-shot all-reduce of the same tensor;
-* the same shard's single-GPU `cross_head_norm` (its fastest CUDA C version), no communication:
+* the same shard's single-GPU `cross_head_norm` (its tuned kernel), no communication:
   the time the fused kernel should approach once communication is hidden.
 
 Timing (``--timing graph``, the default): a CUDA graph of K calls (cycling through rotating input
@@ -220,7 +220,7 @@ def extra_rows(shape, sets, group):
         rows.append((SYMM_MEM_SUMS, lambda b: one_shot(b, "sum", group.group_name), [(buf,)]))
     except Exception as error:  # noqa: BLE001 - reported in the table
         rows.append((SYMM_MEM_SUMS, error, None))
-    local = registry.latest("cross_head_norm", "cuda").fn
+    local = registry.fastest("cross_head_norm").fn
     rows.append((LOCAL_SHARD, local, [(a.q, a.k, a.q_weight, a.k_weight, a.eps, a.weight_offset, a.rounding)
                                       for a, _ in sets]))
     return rows
