@@ -192,7 +192,8 @@ def vector_registers(op: str) -> dict[str, str]:
         by_vectors = {}
         for k in picked:
             args = k.kernel.split(">(")[0].split(own, 1)[1]
-            by_vectors.setdefault(args.split(",")[1].strip() if args.startswith(",") else "", set()).add(k.registers)
+            count = re.sub(r"^\([^()]*\)", "", args.split(",")[1].strip()) if args.startswith(",") else ""  # "(int)8": 8
+            by_vectors.setdefault(count, set()).add(k.registers)
         if impl.level == "tuned":
             registers = set().union(*by_vectors.values())
             found[impl.name] = f"{min(registers)}-{max(registers)} ({len(picked)} variants)"

@@ -58,7 +58,7 @@ stage() {
 has() { [[ ",$stages," == *",$1,"* ]]; }
 ranks() { echo python3 -m torch.distributed.run --standalone --nproc-per-node="$1"; }  # (timeout runs no shell function)
 build='python3 -c "from cookbook import cuda; cuda.load(\"tp_qk_norm\")" & tp=$!
-python3 -c "from cookbook import cuda; cuda.load(\"cross_head_norm\")"; rc=$?; wait $tp && exit $rc'
+python3 -c "from cookbook import cuda, registry; cuda.load_extension(registry.get(\"cross_head_norm\", \"cuda_tuned\").extension)"; rc=$?; wait $tp && exit $rc'
 if [[ $SHAPES == full ]]; then rows=(); else  # every CUDA C version, the local shard, NCCL's all-reduce of the sums
   rows=(--impls "$(python3 -c "from cookbook import registry; print(','.join([i.name for i in registry.implementations('tp_qk_norm', ('cuda',))] + ['local_cross_head_norm', 'nccl_all_reduce_sums']))")")
 fi
