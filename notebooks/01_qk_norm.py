@@ -369,16 +369,12 @@ walkthrough.agreement_table(OP, AGREE_SHAPES)
 # %% [markdown]
 # ## 10. Side by side
 #
-# The recorded sweep of every bench shape, every implementation and the peers (`python -m cookbook
-# bench --ops qk_norm --results-dir docs/results` writes it; the page's tables compare them):
-
-# %%
-walkthrough.show_sweep(OP)
-
-# %% [markdown]
-# At few tokens the time is launches and latency: one launch and a short chain of round trips
-# win. As tokens grow the fused kernels climb towards the copy line; the eager reference, moving
-# several times the minimum bytes, stays far below it.
+# Every bench shape, with the peers: [`docs/results/qk_norm_h200.md`](../docs/results/qk_norm_h200.md)
+# (H200; recorded before rungs 4-6 loaded their row's weight element by element, so their rows
+# there are the former rungs'; section 7's timings are this run's). At few tokens the time is
+# launches and latency: one launch and a short chain of round trips win. As tokens grow the fused
+# kernels climb towards the copy line; the eager reference, moving several times the minimum
+# bytes, stays far below it.
 #
 # ## Where to go next
 #

@@ -34,7 +34,7 @@ if ROOT is not None and str(ROOT) not in sys.path:
 
 from cookbook import walkthrough  # imports neither Numba nor a CUDA extension
 
-session = walkthrough.setup()  # without a GPU: NUMBA_ENABLE_CUDASIM=1, before anything imports Numba
+session = walkthrough.setup("qk_norm_rope")  # without a GPU: NUMBA_ENABLE_CUDASIM=1, before anything imports Numba
 
 # %%
 import torch
@@ -245,9 +245,7 @@ for name, shape in NAMED_SHAPES.items():
 
 # %%
 LADDER = registry.implementations(OP, ("cuda",))
-TUNED = registry.get(OP, "cuda_tuned")
-for impl in [*LADDER, TUNED]:
-    print(f"{impl.name:<11} kernels_cuda/{impl.kernel}\n            {impl.lead}")
+TUNED = registry.get(OP, "cuda_tuned")  # the rungs' leads: the page's ladder table
 
 HEADLINE = [(1, 32, 8, 128, 128, True), (64, 32, 8, 128, 128, True), (4096, 24, 24, 128, 128, True),
             (8192, 64, 8, 128, 128, True)]
@@ -354,36 +352,13 @@ walkthrough.excerpt("kernels_cuda/qk_norm_rope/policy.h", "  // Whole tokens: wh
 # minute on a small CPU, cached).
 
 # %%
-def plan_of(shape):
-    tensors, _ = meta_case(shape)
-    rope = contract.bench_case(shape, torch.bfloat16, "meta")[0]["rope"]
-    if session.on_gpu:
-        from cookbook import cuda
-
-        x = contract.bench_case(shape, torch.bfloat16, "cuda")[0]
-        a = contract.check_inputs(**x, eps=EPS, weight_offset=0.0, rounding="fused")
-        cuda.load_extension(TUNED.extension)
-        text = torch.ops.cookbook.qk_norm_rope_tuned_explain(a.q, a.k, a.q_weight, a.k_weight, a.cos_sin_cache,
-                                                               a.positions, a.eps, a.weight_offset, a.is_neox,
-                                                               a.rope_dim, a.position_offset, False)
-        return dict(line.split("=", 1) for line in text.strip().splitlines())
-    from cookbook import explainer
-
-    q, k = tensors["q"], tensors["k"]
-    call = ["dtype=2", "rounding=0", f"num_tokens={q.shape[0]}", f"num_q_heads={q.shape[1]}",
-            f"num_kv_heads={k.shape[1]}", f"head_dim={q.shape[2]}", f"rope_dim={rope.rope_dim}",
-            f"layout={int(rope.is_neox)}", "weights=0", "cache=1", "rows_are_vectors=true", "tables_are_vectors=true"]
-    return explainer.ask_host(OP, call, explainer.gpu_named("h100"))
-
-
-if nvcc_report.nvcc() is None and not session.on_gpu:
-    print("no GPU and no nvcc here: the policy cannot be asked (`python -m cookbook.nvcc_report` needs nvcc)")
-else:
-    print(f"{'shape':<34} {'walk':<20} {'grid':>6} {'blocks/SM':>9} {'token, head step':>17}")
-    for name, shape in NAMED_SHAPES.items():
-        p = plan_of(shape)
-        per_sm = p["whole_tokens_blocks_per_sm"] if p["walk"] == "Walk::kWholeTokens" else p["steps_blocks_per_sm"]
-        print(f"{name:<34} {p['walk']:<20} {p['grid']:>6} {per_sm:>9} {p['token_step'] + ', ' + p['head_step']:>17}")
+for name, shape in NAMED_SHAPES.items():  # the tuned kernel's own policy: `cookbook.explain`
+    try:
+        plan = cookbook.explain(OP, shape=shape[:6]).plan
+    except RuntimeError as error:  # without a GPU the policy compiled for the host needs nvcc
+        print(error)
+        break
+    print(f"{name:<34} {plan.get('walk', 'rung 2'):<20} grid {int(plan['grid']):>5} x {plan['block']}")
 
 # %% [markdown]
 # Decode fits in one trip of the resident blocks: one row per lane group, tables warmed. The
