@@ -44,7 +44,7 @@ if ROOT is not None and str(ROOT) not in sys.path:
 
 from cookbook import walkthrough  # imports neither Numba nor a CUDA extension
 
-session = walkthrough.setup()  # without a GPU: NUMBA_ENABLE_CUDASIM=1, before anything imports Numba
+session = walkthrough.setup("tp_qk_norm")  # without a GPU: NUMBA_ENABLE_CUDASIM=1, before anything imports Numba
 DEVICE, ON_GPU = session.device, session.on_gpu
 
 # %%

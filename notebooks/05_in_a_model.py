@@ -47,8 +47,11 @@ if ROOT is not None and str(ROOT) not in sys.path:
 import transformers
 
 import cookbook
+from cookbook import walkthrough
 from cookbook.integrations import bench, compare, output_parity
 
+walkthrough.quiet()  # the warnings a learner can do nothing about
+print(walkthrough.provenance(["qk_norm", "cross_head_norm", "qk_norm_rope"]))  # the ops the models run
 print(f"cookbook {cookbook.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, device {DEVICE}")
 
 # %% [markdown]
