@@ -126,6 +126,14 @@ def fastest_of(case, candidates: list[Candidate], copy_gb_per_s, progress) -> Ca
     return min(timed, key=lambda c: medians[c.name]) if timed else candidates[0]
 
 
+def _in_repo(arg: str) -> str:
+    """A path argument inside the checkout, relative to it: the page names no machine's folders."""
+    path = Path(arg)
+    if path.is_absolute() and path.resolve().is_relative_to(bench.REPO_ROOT):
+        return path.resolve().relative_to(bench.REPO_ROOT).as_posix()
+    return arg
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old-kernels", type=Path, required=True, help="the earlier commit's kernels_cuda/")
@@ -137,7 +145,7 @@ def main(argv=None) -> int:
                              "them at each shape), or 'tuned' (the ladder layout's tuned kernel)")
     parser.add_argument("--results-dir", type=Path, default=bench.REPO_ROOT / "docs" / "results")
     args = parser.parse_args(argv)
-    command = shlex.join(["python", "tools/compare_tuned.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(["python", "tools/compare_tuned.py", *map(_in_repo, argv if argv is not None else sys.argv[1:])])
 
     op = args.op
     tuned = registry.get(op, "cuda_tuned")
