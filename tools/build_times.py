@@ -3,13 +3,18 @@
 
     python tools/build_times.py qk_norm
     python tools/build_times.py cross_head_norm --cache /tmp/cookbook-build   # keep the whole op's build
+    python tools/build_times.py qk_norm_rope --first-forward qwen3              # and a patched model's first forward
 
 Two fresh processes, each with its own empty cache: (1) the first `backend="auto"` call, timed
 from before `import cookbook` to the synchronized result (it builds the tuned kernel only);
 (2) the whole op, every rung and the tuned kernel, built in parallel (what the benchmark does
 first), in `--cache` where given (an empty or new folder, kept for the runs that follow: point
-COOKBOOK_BUILD_DIR at it), else in a temporary one. Writes docs/results/<op>_<gpu>_builds.{md,json}:
-wall seconds, each extension's seconds, the machine's cores.
+COOKBOOK_BUILD_DIR at it), else in a temporary one. With `--first-forward FAMILY`, a third fresh
+process with its own empty cache: a model of that family (`cookbook.integrations.bench`'s widths,
+random weights) is made on the GPU, then `cookbook.integrations.transformers.patch(model)` and its
+first forward are timed to the synchronized logits (what a user waits for between `patch` and the
+first token). Writes docs/results/<op>_<gpu>_builds.{md,json}: wall seconds, each extension's
+seconds, the machine's cores.
 """
 
 from __future__ import annotations
@@ -52,6 +57,24 @@ print(json.dumps({{"seconds": time.perf_counter() - start, "failed": failed,
 """
 
 
+FIRST_FORWARD = """
+import json, time
+import torch
+from cookbook.integrations import bench, transformers as integration
+model = bench.causal_lm({family!r}, device="cuda")
+ids = torch.randint(1, model.config.vocab_size, (1, 16), device="cuda")
+torch.cuda.synchronize()
+start = time.perf_counter()
+report = integration.patch(model)
+with torch.no_grad():
+    model(input_ids=ids).logits.float().sum().item()
+torch.cuda.synchronize()
+from cookbook import cuda
+print(json.dumps({{"seconds": time.perf_counter() - start, "patched": "; ".join(str(report).splitlines()),
+                  "builds": {{n: r.seconds for n, r in cuda.BUILDS.items()}}}}))
+"""
+
+
 def fresh_run(script: str, cache: Path | None = None) -> dict:
     """The JSON line `script` prints last, run in a fresh process whose build cache is `cache` (which
     must be empty: the build starts from nothing) or a temporary folder."""
@@ -77,16 +100,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("op", nargs="?", default="qk_norm")
     parser.add_argument("--cache", type=Path, help="build the whole op here and keep it (an empty or new folder)")
+    parser.add_argument("--first-forward", metavar="FAMILY",
+                        help="also time patch(model) to its first forward for a model of this family (e.g. qwen3)")
     args = parser.parse_args(argv)
     op = args.op
     first = fresh_run(FIRST_CALL.format(op=op))
     whole = fresh_run(WHOLE_OP.format(op=op), args.cache)
-    meta = bench.metadata(shlex.join(["python", "tools/build_times.py", op]), 0.0, torch.bfloat16)
+    forward = fresh_run(FIRST_FORWARD.format(family=args.first_forward)) if args.first_forward else None
+    meta = bench.metadata(shlex.join(["python", "tools/build_times.py", *argv]), 0.0, torch.bfloat16)
     meta.update(cpu_cores=os.cpu_count())
     rows = [["first `backend=\"auto\"` call (import to result)", f"{first['seconds']:.1f}",
              ", ".join(f"{n} {s:.1f} s" for n, s in first["builds"].items())],
             ["the whole op, every extension in parallel", f"{whole['seconds']:.1f}",
              ", ".join(f"{n} {s:.1f} s" for n, s in whole["builds"].items())]]
+    if forward is not None:
+        rows.append([f"`patch(model)` to its first forward's logits ({args.first_forward}, {forward['patched']})",
+                     f"{forward['seconds']:.1f}", ", ".join(f"{n} {s:.1f} s" for n, s in forward["builds"].items())])
     table = bench.markdown_table(["empty build cache", "wall seconds", "each extension (wall, in parallel)"], rows)
     stem = f"{op}_{meta['gpu_slug']}_builds"
     page = [f"# {op}: build times from an empty cache, {meta['gpu']} host ({meta['cpu_cores']} cores)", "",
@@ -97,7 +126,8 @@ def main(argv=None) -> int:
         page += ["Failed builds:", "", *[f"- {n}: {e[:300]}" for n, e in whole["failed"].items()], ""]
     results = ROOT / "docs" / "results"
     (results / f"{stem}.md").write_text("\n".join(page))
-    (results / f"{stem}.json").write_text(json.dumps({"metadata": meta, "first_call": first, "whole_op": whole}, indent=1))
+    (results / f"{stem}.json").write_text(json.dumps({"metadata": meta, "first_call": first, "whole_op": whole,
+                                                         **({"first_forward": forward} if forward else {})}, indent=1))
     print(table)
     return 1 if whole["failed"] else 0
 

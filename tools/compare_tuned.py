@@ -15,7 +15,9 @@ registering `torch.ops.cookbook.<op>(..., version)`; or the ladder layout's tune
 against the contract, then timed in the order old, new, new, old at every shape (the two timings
 of each show the run's noise). Several old versions (`--old-version 6,13,14`): at each shape each
 is timed once first and the fastest of them is the old candidate there. Writes
-docs/results/<op>_<gpu>_tuned_vs_<commit>.{md,json}. `--build-only` builds both and stops (the
+docs/results/<op>_<gpu>_tuned_vs_<commit>.{md,json}. `--rounds R` repeats that order R times (each candidate timed 2R times: for a shape whose timings
+split into modes) and `--only TEXT` keeps the shapes whose label contains TEXT (the page's name then
+ends in `_only_<TEXT>`). `--build-only` builds both and stops (the
 older layout's one translation unit takes minutes: start it early; the timing run loads it from
 the cache). How each op's kernels are called: its entry of CALLS below.
 """
@@ -27,6 +29,7 @@ import json
 import os
 import shlex
 import sys
+from statistics import median
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,7 +147,11 @@ def main(argv=None) -> int:
                         help="its fastest CUDA C version (the older layout; several comma-separated: the fastest of "
                              "them at each shape), or 'tuned' (the ladder layout's tuned kernel)")
     parser.add_argument("--results-dir", type=Path, default=bench.REPO_ROOT / "docs" / "results")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the order old, new, new, old this many times")
+    parser.add_argument("--only", metavar="TEXT", help="time only the shapes whose label contains TEXT")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     command = shlex.join(["python", "tools/compare_tuned.py", *map(_in_repo, argv if argv is not None else sys.argv[1:])])
 
     op = args.op
@@ -162,13 +169,18 @@ def main(argv=None) -> int:
     contract = registry.contract(op)
     copy_gb_per_s = bench.copy_bandwidth_gb_per_s()
     choosing = len(olds) if len(olds) > 1 else 0
-    progress = bench.Progress(len(contract.BENCH_SHAPES) * (len(ORDER) + choosing))
+    shapes = [shape for shape in contract.BENCH_SHAPES
+              if args.only is None or args.only in contract.bench_case(shape, bench.DEFAULT_DTYPE, "meta", 0)[1]]
+    if not shapes:
+        parser.error(f"--only: no bench shape of {op} has {args.only!r} in its label")
+    order = ORDER * args.rounds
+    progress = bench.Progress(len(shapes) * (len(order) + choosing))
     rows = []
-    for shape in contract.BENCH_SHAPES:
+    for shape in shapes:
         case = bench.prepare_shape(op, contract, shape, bench.DEFAULT_DTYPE)
         old = fastest_of(case, olds, copy_gb_per_s, progress)
         timed = []
-        for which in ORDER:
+        for which in order:
             candidate = old if which == "old" else new
             progress.begin(f"{case.base_row['label']} {candidate.name}")
             timed.append((which, sweep.bench_impl(case, candidate, copy_gb_per_s, None, progress)))
@@ -187,25 +199,32 @@ def main(argv=None) -> int:
     old_name = olds[0].name if len(olds) == 1 else \
         f"the fastest of {', '.join(c.name.split('@')[0] for c in olds)}@{args.old_commit}"
     meta["old"] = {"commit": args.old_commit, "implementation": old_name}
-    write(op, rows, meta, args.results_dir, old_name)
+    meta["rounds"] = args.rounds
+    suffix = "" if args.only is None else "_only_" + "".join(c if c.isalnum() else "_" for c in args.only)
+    write(op, rows, meta, args.results_dir, old_name, suffix)
     return 0
 
 
-def write(op: str, rows, meta, results_dir: Path, old_name: str) -> None:
+def write(op: str, rows, meta, results_dir: Path, old_name: str, suffix: str = "") -> None:
+    rounds = meta.get("rounds", 1)
     several = any(r.get("old") != rows[0].get("old") for r in rows) or old_name.startswith("the fastest")
     body = [[r["label"], *([r["old"].split("@")[0]] if several else []), " / ".join(f"{us:.2f}" for us in r["old_us"]),
-             " / ".join(f"{us:.2f}" for us in r["new_us"]), f"{r['ratio']:.3f}", f"{r['old_pct']:.1f} %",
+             " / ".join(f"{us:.2f}" for us in r["new_us"]), f"{r['ratio']:.3f}",
+             *([f"{median(r['new_us']) / median(r['old_us']):.3f}"] if rounds > 1 else []), f"{r['old_pct']:.1f} %",
              f"{r['new_pct']:.1f} %"] for r in rows]
-    headers = ["shape", *(["old version"] if several else []), f"{'old' if several else old_name} us (1st / 2nd)",
-               "cuda_tuned us (1st / 2nd)", "best new / best old", "old % of copy", "new % of copy"]
+    nth = "1st / 2nd" if rounds == 1 else "in timing order"
+    headers = ["shape", *(["old version"] if several else []), f"{'old' if several else old_name} us ({nth})",
+               f"cuda_tuned us ({nth})", "best new / best old", *(["median new / median old"] if rounds > 1 else []),
+               "old % of copy", "new % of copy"]
     table = bench.markdown_table(headers, body)
-    stem = f"{op}_{meta['gpu_slug']}_tuned_vs_{meta['old']['commit']}"
+    stem = f"{op}_{meta['gpu_slug']}_tuned_vs_{meta['old']['commit']}{suffix}"
     page = [f"# {op}: the tuned kernel against {old_name}, one run, {meta['gpu']}", "",
             "Written by `tools/compare_tuned.py`: do not edit by hand, run the command again.", "",
             f"- GPU: {meta['gpu']}; torch {meta['torch']}, CUDA {meta['cuda']}",
             f"- date: {meta['date']}; commit: {meta['commit']}; old: {meta['old']['commit']}",
             f"- command: `{meta['command']}`",
-            f"- timing: {meta['timing']}; each candidate timed twice, in the order old, new, new, old"
+            f"- timing: {meta['timing']}; each candidate timed {2 * rounds} times, in the order old, new, new, old"
+            + (f" repeated {rounds} times" if rounds > 1 else "")
             + ("; the old version at each shape: the fastest of a first timing of each" if several else ""),
             f"- device-to-device copy: {meta['copy_tb_per_s']:.2f} TB/s", "", table, ""]
     results_dir.mkdir(parents=True, exist_ok=True)
