@@ -495,3 +495,24 @@ def test_a_call_that_does_not_repeat_is_reported_not_timed():
     row = {"family": "fake", "size": "decode", "tokens": "1 x 1", **rows[0]}
     assert "not timed: two calls" in bench.row_text(row)
     assert not bench.all_ok({"errors": {}, "parity": {}, "timing": [row]})
+
+
+def test_patch_builds_every_kernel_it_calls_at_once(monkeypatch):
+    """patch builds the kernels of every op its modules call in one parallel build (the first
+    forward then waits for none), and names a build that failed."""
+    from types import SimpleNamespace
+
+    from cookbook import cuda, registry
+    from cookbook.integrations import prepare_backend
+
+    builds = []
+    monkeypatch.setattr(registry, "resolve", lambda op, backend, device: SimpleNamespace(extension=f"{op}_tuned"))
+    monkeypatch.setattr(cuda, "build", lambda extensions: builds.append(list(extensions)) or {})
+    prepare_backend("cuda", "cuda", ["qk_norm_rope", "qk_norm", "qk_norm_rope"])
+    assert builds == [["qk_norm_rope_tuned", "qk_norm_tuned"]]
+
+    monkeypatch.setattr(cuda, "build", lambda extensions: {"qk_norm_tuned": RuntimeError("nvcc: error")})
+    with pytest.raises(RuntimeError, match="backend='cuda': building qk_norm_tuned failed: .*nvcc: error"):
+        prepare_backend("cuda", "cuda", ["qk_norm"])
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        prepare_backend("triton", "cuda", ["qk_norm"])

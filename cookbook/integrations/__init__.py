@@ -8,7 +8,8 @@
 
 Importing this package imports neither library; each submodule imports its own on first use.
 What the submodules share lives here: the report a patch returns, the error for a layout this
-code does not know, and the element-wise comparison the patch-time checks use.
+code does not know, the element-wise comparison the patch-time checks use, and the backend's
+preparation (its kernels built together, before the first forward).
 """
 
 from __future__ import annotations
@@ -171,3 +172,19 @@ def require_model(model, what: str) -> None:
 
 __all__ = ["LayoutError", "PatchReport", "PatchedModule", "SkippedModule", "Comparison", "compare", "OutputParity",
            "output_parity"]
+
+
+def prepare_backend(backend: str, device, ops) -> None:
+    """Resolve `backend` for every op the patched modules call, so that an unknown or unavailable
+    backend fails here, by name, and build their CUDA C kernels now, together, in parallel: the
+    first forward then waits for no build (one op after the other would add their build times)."""
+    from cookbook import _checks, cuda, registry
+
+    _checks.require_choice("backend", backend, _checks.BACKENDS)
+    impls = [registry.resolve(op, backend, device) for op in dict.fromkeys(ops)]
+    extensions = [impl.extension for impl in impls if impl.extension is not None]
+    if extensions:
+        failed = {name: error for name, error in cuda.build(extensions).items() if isinstance(error, Exception)}
+        if failed:
+            raise RuntimeError(f"backend={backend!r}: building {', '.join(failed)} failed: "
+                               + "; ".join(f"{name}: {error}" for name, error in failed.items()))

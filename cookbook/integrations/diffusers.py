@@ -45,6 +45,7 @@ from cookbook.integrations import (
     PatchReport,
     SkippedModule,
     compare,
+    prepare_backend,
     require_inference,
     require_model,
 )
@@ -258,10 +259,7 @@ def patch(pipe_or_transformer, *, backend: str = "auto") -> PatchReport:
         found = "; ".join(f"{m.name} ({m.cls}): {m.reason}" for m in skipped[:4]) or "no attention modules"
         raise ValueError(f"model: no FLUX attention with {PROCESSOR_CLASS} in {where} ({found})")
     check_pos_embed(transformer, where)
-    weight = plans[0][1].norm_q.weight
-    cookbook.qk_norm(torch.ones(1, 1, 2, device=weight.device, dtype=weight.dtype),
-                     torch.ones(1, 1, 2, device=weight.device, dtype=weight.dtype),
-                     torch.ones(2, device=weight.device), torch.ones(2, device=weight.device), backend=backend)
+    prepare_backend(backend, plans[0][1].norm_q.weight.device, ("qk_norm", "qk_norm_rope"))
     patched = []
     for name, module, processor in plans:
         module.set_processor(FusedFluxAttnProcessor(processor, backend, f"{name} ({type(module).__name__})"))

@@ -52,6 +52,7 @@ from cookbook.integrations import (
     PatchReport,
     SkippedModule,
     compare,
+    prepare_backend,
     require_inference,
     require_model,
 )
@@ -292,13 +293,6 @@ def check_rotary_tables(model, where: str) -> None:
                               "halves of cos/sin; the fused rope reads the first half only")
 
 
-def check_backend(backend: str, device, dtype) -> None:
-    """Run the op once on a tiny tensor: an unknown or unavailable backend fails here, by name."""
-    q = torch.ones(1, 1, 2, device=device, dtype=dtype)
-    w = torch.ones(2, device=device, dtype=dtype)
-    cookbook.qk_norm(q, q.clone(), w, w, backend=backend)
-
-
 # --------------------------------------------------------------------------------------------
 # patch / unpatch
 # --------------------------------------------------------------------------------------------
@@ -351,7 +345,7 @@ def patch(model, *, backend: str = "auto") -> PatchReport:
     if any(spec.fused_rope for _, _, spec, _ in plans):
         check_rotary_tables(model, where)
     first = plans[0][1]
-    check_backend(backend, first.q_norm.weight.device, first.q_norm.weight.dtype)
+    prepare_backend(backend, first.q_norm.weight.device, [spec.op for _, _, spec, _ in plans])
 
     installed, patched = [], []
     for name, module, spec, model_rope in plans:
