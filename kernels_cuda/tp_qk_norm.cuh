@@ -22,6 +22,7 @@
 // v10: v9 with, at decode sizes, each lane's packs of its row and their weights loaded together into registers before the exchange and kept there through it - removes the decode kernel's weight loads after the wait (a memory round trip on every call's critical path; the L1 prefetch did not hide it) and its shared-memory tile
 // v11: one CTA per token; thread vectors held through the exchange, the next token's loaded before the wait - removes v10's shared tiles between decode and prefill
 // v12: v10's and v11's kernels chosen per chunk from a table keyed by world size - removes v10's dispatch, tuned at TP=2 alone
+// v13: up to 16 tokens per SM, v11's walk with one thread per 16-byte vector and the call's counters read beside the first loads - removes v11's serial counter reads before its first barrier, and v10's tiles
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -1435,6 +1436,125 @@ __global__ void __launch_bounds__(kTokenRowsMaxThreads, token_rows_min_ctas_per_
 }
 
 // ------------------------------------------------------------------------------------------
+// v13: up to 16 tokens per SM, v11's walk with one thread per 16-byte vector and the call's counters read beside the first loads - removes v11's serial counter reads before its first barrier, and v10's tiles
+// v11's walk (a CTA per token, the next token requested before the wait) with two changes on
+// the latency chain of a small call:
+//   * thread 0's reads of the wait limit and of the gave-up flag are issued right after
+//     griddepcontrol.wait, beside the first token's loads and the epoch read. v11 read them in
+//     open_call after the epoch had arrived, one after the other (the limit only where the flag
+//     was clear): two more L2 round trips before the CTA's first barrier, on every call.
+//   * one 16-byte vector per thread (block = the row pair in whole warps, up to 1024 threads), at
+//     every world size: at TP=2 the MiniMax-M2 shard's 448 vectors are 448 threads (v11: 224 of
+//     two vectors; v12 ran v10's tiles at one token per SM there). Its registers (ptxas, bf16:
+//     56, no spill) keep 5 CTAs of the TP=4 shard's 224 threads per SM. (At 32 registers, SGLang's
+//     budget for the same walk, the protocol's paths spilled.) Row pairs of more than 1024 vectors
+//     keep v12's kernels.
+// The protocol (header, epoch, waits, wrap) is v11's, unchanged.
+// ------------------------------------------------------------------------------------------
+constexpr int kLeanMaxThreads = 1024;   // one vector per thread: row pairs up to 1024 vectors
+constexpr int kLeanMinThreads = 64;     // room for the waiting, header and epoch threads
+constexpr int kLeanMinCtasPerSm = 1;   // ptxas's budget at 1024 threads: 64 registers
+static_assert(kNumTensors * kMaxRanks + kMaxRanks * kHeaderWords + 1 <= kLeanMinThreads,
+              "v13: the waiting threads, header threads and the epoch thread fit the smallest block");
+static_assert(kLeanMinThreads % kWarpSize == 0 && kLeanMaxThreads % kWarpSize == 0, "whole warps");
+static_assert(cross_head_norm::valid_block_size<kLeanMaxThreads>, "block_sum: at most 1024 threads");
+
+template <typename T, bool kHfRounding>
+__global__ void __launch_bounds__(kLeanMaxThreads, kLeanMinCtasPerSm) lean_rows_kernel(FusedParams p) {
+  constexpr int kElems = Vec<T>::kElems;
+  __shared__ float partials[kNumTensors][kMaxRanks];
+  __shared__ CallState call;
+
+  after_prior_grids();
+  // Thread 0's counters, the thread's weights and the first token's vector: requested together.
+  uint32_t gave_up = 0, wait_limit = 0;
+  if (threadIdx.x == 0) {
+    gave_up = counter(p, kGaveUpCounter);
+    wait_limit = counter(p, kWaitLimitCounter);
+  }
+  const int q_vecs = p.shard.q_hidden / kElems;
+  const int vecs = q_vecs + p.shard.k_hidden / kElems;
+  const int c = threadIdx.x;  // this thread's vector of the row pair, the same at every token
+  const bool has_vec = c < vecs;
+  const bool is_q = c < q_vecs;
+  const Row<T> row0 = locate_row<T>(p.shard, 0, is_q ? kQ : kK);
+  T* const x0 = row0.x + (is_q ? c : c - q_vecs) * kElems;
+  const int64_t stride = is_q ? p.shard.q_token_stride : p.shard.k_token_stride;
+  const int64_t tokens = p.shard.num_tokens;
+  RawWeights<T> w_raw;
+  Vec<T> x;
+  if (has_vec) {
+    x = load_x<T, true>(x0 + blockIdx.x * stride);  // the launcher gives every CTA a token
+    w_raw = load_raw_weights<T>(row0, (is_q ? c : c - q_vecs) * kElems);
+  }
+
+  const uint32_t epoch = read_epoch(p);
+  if (chunk_abandoned(p, epoch)) return;
+  const bool near_wrap = epoch >= kLastEpoch - 1;
+  const int parity = static_cast<int>(epoch % kParities);
+  const int waiting_threads = kNumTensors * p.world;  // thread (tensor, rank r) pushes to r, waits for r
+  const int header_thread = threadIdx.x - (blockDim.x - p.world * kHeaderWords);
+  const int epoch_thread = blockDim.x - 1 - p.world * kHeaderWords;
+  if (threadIdx.x == 0) {  // open_call, from the values read above
+    call.ok = 1;
+    call.deadline = global_ticks() + (gave_up != 0 ? 0u : wait_limit);
+  }
+  __syncthreads();
+  publish_header(p, epoch, parity);
+
+  bool first = true;
+  for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
+    Vec<T> x_next;  // requested now: it arrives while this token's sums cross the GPUs
+    if (has_vec && token + gridDim.x < tokens) x_next = load_x<T, true>(x0 + (token + gridDim.x) * stride);
+
+    float sums[kNumTensors] = {0.f, 0.f};
+    if (has_vec) {
+      float xf[kElems];
+      unpack<T>(x, xf);
+      float sum_sq = 0.f;
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) sum_sq += xf[e] * xf[e];
+      sums[kQ] = is_q ? sum_sq : 0.f;
+      sums[kK] = is_q ? 0.f : sum_sq;
+    }
+    block_sum<kNumTensors>(sums);  // its barriers order the last token's reads of `partials` first
+
+    if (threadIdx.x < waiting_threads) {
+      const int tensor = threadIdx.x / p.world, r = threadIdx.x % p.world;
+      store_word(sum_slot(p, p.buffers[r], parity, token, tensor, p.rank),
+                 tagged(epoch, __float_as_uint(tensor == kQ ? sums[kQ] : sums[kK])));
+      uint64_t word;
+      if (wait_for_word(sum_slot(p, p.buffers[p.rank], parity, token, tensor, r), epoch, &call.ok, word)) {
+        partials[tensor][r] = __uint_as_float(payload_of(word));
+      } else {
+        call.ok = 0;
+      }
+    } else if (first && header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread, &call)) {
+      call.ok = 0;
+    } else if (first && !near_wrap && threadIdx.x == epoch_thread) {
+      count_in_for_the_epoch(p, epoch);
+    }
+    first = false;
+    __syncthreads();
+    if (call.ok == 0) break;  // the same value in every thread: nothing more is written
+
+    if (has_vec) {
+      float total = 0.f;
+      for (int r = 0; r < p.world; ++r) total += partials[is_q ? kQ : kK][r];  // rank order, as every rank
+      const float rstd = rstd_from(total, is_q ? p.q_full_width : p.k_full_width, p.shard.eps);
+      float xf[kElems], w[kElems], y[kElems];
+      unpack<T>(x, xf);
+      effective_weights<T, kHfRounding>(w_raw, row0.w_is_fp32, p.shard.weight_offset, w);
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) y[e] = normalized<T, kHfRounding>(xf[e], rstd, w[e]);
+      store_x<T, true>(x0 + token * stride, pack<T>(y));
+      x = x_next;
+    }
+  }
+  if (near_wrap) end_launch(p, epoch, parity);
+}
+
+// ------------------------------------------------------------------------------------------
 // Launchers (host).
 // ------------------------------------------------------------------------------------------
 inline int sm_count() {
@@ -1581,6 +1701,24 @@ inline bool launch_token_rows(const FusedParams& p, cudaStream_t stream) {
   return true;
 }
 
+// v13's kernel on a persistent grid (a CTA per token up to the resident CTAs); false where the
+// row pair has more vectors than a block has threads, or the chunk has no token (v2's kernel
+// then publishes the empty call's header).
+template <typename T, bool kHfRounding>
+inline bool launch_lean_rows(FusedParams p, cudaStream_t stream) {
+  const int vecs = (p.shard.q_hidden + p.shard.k_hidden) / Vec<T>::kElems;
+  if (p.shard.num_tokens == 0 || vecs > kLeanMaxThreads) return false;
+  constexpr auto kernel = lean_rows_kernel<T, kHfRounding>;
+  const int whole_warps = cross_head_norm::threads_for(vecs, 1);
+  const int threads = whole_warps < kLeanMinThreads ? kLeanMinThreads : whole_warps;
+  const int64_t resident = persistent_grid_limit<kernel>(threads);
+  const int64_t grid = p.shard.num_tokens < resident ? p.shard.num_tokens : resident;
+  p.tokens_per_cta = 1;
+  p.slices_per_row = 1;
+  launch_kernel(true, kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), 0, stream, p);
+  return true;
+}
+
 // ------------------------------------------------------------------------------------------
 // v12: v10's and v11's kernels chosen per chunk from a table keyed by world size - removes v10's dispatch, tuned at TP=2 alone
 // Which kernel is fastest for a number of tokens depends on the shard's width and on how many
@@ -1630,6 +1768,18 @@ inline void launch_by_table(const FusedParams& chunk, bool packed, cudaStream_t 
   launch_fused_packs<12, T, kElems, kHfRounding>(chunk, stream, /*allow_held=*/false);
 }
 
+// v13: the lean kernel up to kLeanTokensPerSm tokens per SM at every world size, v12's table above
+// (SGLang's fused TP kernel, a walk of the same shape, led v12 up to 2048 tokens of the MiniMax TP=4
+// shard, 16 per SM on 132 SMs, and trailed it from 8192).
+constexpr int kLeanTokensPerSm = 16;
+
+template <typename T, bool kHfRounding>
+inline void launch_lean_or_table(const FusedParams& chunk, bool packed, cudaStream_t stream) {
+  const int64_t tokens_per_sm = (chunk.shard.num_tokens + sm_count() - 1) / sm_count();
+  if (packed && tokens_per_sm <= kLeanTokensPerSm && launch_lean_rows<T, kHfRounding>(chunk, stream)) return;
+  launch_by_table<T, kHfRounding>(chunk, packed, stream);
+}
+
 // One launch per chunk of at most `capacity` tokens (each chunk is one epoch of the protocol).
 template <int kVersion, typename T, bool kHfRounding>
 inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
@@ -1643,7 +1793,9 @@ inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
     chunk.shard.q = static_cast<T*>(call.shard.q) + first * call.shard.q_token_stride;
     chunk.shard.k = static_cast<T*>(call.shard.k) + first * call.shard.k_token_stride;
     chunk.chunk_index = chunk_index++;
-    if (kVersion >= 12) {
+    if (kVersion >= 13) {
+      launch_lean_or_table<T, kHfRounding>(chunk, packed, stream);
+    } else if (kVersion == 12) {
       launch_by_table<T, kHfRounding>(chunk, packed, stream);
     } else if (kVersion == 11 && packed && launch_token_rows<T, kHfRounding>(chunk, stream)) {
       // v11's kernel took the chunk (v10's kernels where the row pair is too wide)
@@ -1685,7 +1837,7 @@ inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cu
   });
 }
 
-constexpr int kNumVersions = 12;
+constexpr int kNumVersions = 13;
 
 // A rank that does not take part in a call (it rejected its arguments) still launches once, so
 // that the ranks stay in step: v2's kernel with no tokens and an absent header publishes it to
@@ -1726,8 +1878,10 @@ inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, in
       hf_rounding ? launch_fused<10, T, true>(p, stream) : launch_fused<10, T, false>(p, stream);
     } else if (version == 11) {
       hf_rounding ? launch_fused<11, T, true>(p, stream) : launch_fused<11, T, false>(p, stream);
-    } else {
+    } else if (version == 12) {
       hf_rounding ? launch_fused<12, T, true>(p, stream) : launch_fused<12, T, false>(p, stream);
+    } else {
+      hf_rounding ? launch_fused<13, T, true>(p, stream) : launch_fused<13, T, false>(p, stream);
     }
   });
 }
