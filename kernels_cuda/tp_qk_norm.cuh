@@ -1768,8 +1768,8 @@ inline void launch_by_table(const FusedParams& chunk, bool packed, cudaStream_t 
   launch_fused_packs<12, T, kElems, kHfRounding>(chunk, stream, /*allow_held=*/false);
 }
 
-// v13: the lean kernel up to kLeanTokensPerSm tokens per SM at every world size, v12's table above
-// (SGLang's fused TP kernel, a walk of the same shape, led v12 up to 2048 tokens of the MiniMax TP=4
+// v13's dispatch: the lean kernel up to kLeanTokensPerSm tokens per SM at every world size, v12's
+// table above (SGLang's fused TP kernel, a walk of the same shape, led v12 up to 2048 tokens of the MiniMax TP=4
 // shard, 16 per SM on 132 SMs, and trailed it from 8192).
 constexpr int kLeanTokensPerSm = 16;
 
