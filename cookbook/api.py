@@ -372,10 +372,10 @@ def _abstain(group, backend: str) -> None:
         if fused:  # the peers decide as resolve_tp does: the kernels built, then the workspace
             from cookbook import cuda
 
-            cuda.load("tp_qk_norm")
+            cuda.load_tp(cuda.tp_tuned_version())
             fused = tp_workspace.unavailable(group) is None
         if fused:
-            tp_workspace.abstain(group)
+            tp_workspace.abstain(group, cuda.tp_absent)
         else:
             tp_contract.check_ranks_agree(None, group=group, wait_limit_s=tp_workspace.state(group).wait_limit_s)
     except Exception as error:  # noqa: BLE001 - the rank's own error is the one to raise; the group is lost
@@ -422,7 +422,7 @@ def resolve_tp(backend: str, a: tp_contract.TPQKNormArgs):
     if is_fused(impl):
         from cookbook import cuda, tp_workspace
 
-        cuda.load("tp_qk_norm")
+        cuda.load_tp(impl.version)
         reason = tp_workspace.unavailable(a.group)
         if reason:
             _say_fallback(reason)

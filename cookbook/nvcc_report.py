@@ -180,7 +180,17 @@ def torch_includes(scratch: Path) -> list[Path]:
     return paths
 
 
-def compile_binding(op: str, arch: str = DEFAULT_ARCH) -> None:
+def compile_tp_tuned(arch: str = DEFAULT_ARCH) -> list[KernelResources]:
+    """Compile the kernel units of tp_qk_norm's tuned extension (`cookbook.cuda.load_tp`: v1 and the
+    tuned version, every dtype and rounding) as one nvcc unit; raise with nvcc's output on failure."""
+    from cookbook import cuda
+
+    units = cuda._tp_tuned_units()
+    text = "".join(text for name, text in units.items() if name != "binding.cu")
+    return parse_ptxas(_compile_unit(cuda.TP_TUNED, text, arch))
+
+
+def compile_binding(op: str, arch: str = DEFAULT_ARCH, unit_text: str | None = None) -> None:
     """Compile (not link) the torch binding `kernels_cuda/bindings/<op>.cu` with nvcc alone, as CI
     does without a GPU; raise with nvcc's output on failure."""
     import sysconfig
@@ -189,12 +199,16 @@ def compile_binding(op: str, arch: str = DEFAULT_ARCH) -> None:
     if compiler is None:
         raise RuntimeError("nvcc not found on PATH")
     with tempfile.TemporaryDirectory() as tmp:
+        source = KERNEL_DIR / "bindings" / f"{op}.cu"
+        if unit_text is not None:  # a unit that includes the binding (tp_qk_norm's tuned extension)
+            source = Path(tmp) / "binding.cu"
+            source.write_text(unit_text)
         includes = [KERNEL_DIR, *torch_includes(Path(tmp)), sysconfig.get_paths()["include"]]
         cmd = [compiler, *NVCC_FLAGS, f"-arch={arch}", *(f"-I{p}" for p in includes), "-c",
-               str(KERNEL_DIR / "bindings" / f"{op}.cu"), "-o", str(Path(tmp) / "binding.o")]
+               str(source), "-o", str(Path(tmp) / "binding.o")]
         run = _run_tool(cmd)
     if run.returncode != 0:
-        raise RuntimeError(f"nvcc failed on bindings/{op}.cu:\n{run.stderr[-4000:]}")
+        raise RuntimeError(f"nvcc failed on bindings/{op}.cu{' (the tuned unit)' if unit_text else ''}:\n{run.stderr[-4000:]}")
 
 
 _NVCC_INCLUDES = re.compile(r'^#\$ (?:INCLUDES|SYSTEM_INCLUDES)=(.*)$', re.MULTILINE)

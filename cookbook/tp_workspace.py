@@ -301,16 +301,16 @@ def count_call(group) -> None:
     _workspaces[_key(group)].status_words[STATUS_CALL_NUMBER] = st.calls
 
 
-def abstain(group) -> None:
+def abstain(group, launch_absent) -> None:
     """This rank's launch for a call it does not take part in (it rejected its arguments): the
     fused protocol's absent header, so that the peers write nothing, report it, and are not left
-    waiting. Only where the group's fused workspace exists; the caller has built the kernels
-    (`cookbook.cuda.load("tp_qk_norm")`)."""
+    waiting. Only where the group's fused workspace exists; `launch_absent(workspace)` launches it
+    (`cookbook.cuda.tp_absent`, from the tuned kernels)."""
     ws = _workspaces.get(_key(group))
     if not isinstance(ws, Workspace):
         return
     count_call(group)
-    torch.ops.cookbook.tp_qk_norm_absent(ws.counters, ws.peer_buffers, ws.status.data_ptr(), ws.rank, ws.capacity)
+    launch_absent(ws)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1810,34 +1810,95 @@ inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
   } while (first < call.shard.num_tokens);
 }
 
-template <typename F>
-inline cudaError_t dispatch_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: f(float{}); break;
-    case DType::kFloat16: f(__half{}); break;
-    case DType::kBFloat16: f(__nv_bfloat16{}); break;
-  }
+constexpr int kNumVersions = 13;
+constexpr int kTunedVersion = kNumVersions;  // what backend="cuda" runs
+
+// ------------------------------------------------------------------------------------------
+// Host entry points, one per dtype and rounding, so that a build can compile them in separate units
+// in parallel: the tuned extension (cookbook/cuda.py: `load_tp`) compiles each
+// (dtype, rounding) in its own unit with COOKBOOK_TP_TUNED defined, where fused_of compiles
+// kTunedVersion alone (and v1's two kernels): every unit declares the entry points extern
+// (COOKBOOK_TP_SPLIT_UNITS), so the dispatchers below instantiate nothing, and a kernel unit then
+// instantiates its own. The ladder's extension compiles every version in one unit.
+// ------------------------------------------------------------------------------------------
+template <typename T>
+cudaError_t sum_sq_of(const Params& p, float* out, cudaStream_t stream) {
+  launch_sum_sq<T>(p, out, stream);
   return cudaGetLastError();
+}
+
+template <typename T, bool kHfRounding>
+cudaError_t apply_of(const ApplyParams& a, cudaStream_t stream) {
+  launch_apply<T, kHfRounding>(a, stream);
+  return cudaGetLastError();
+}
+
+// The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
+template <typename T, bool kHfRounding>
+cudaError_t fused_of(const FusedParams& p, int version, cudaStream_t stream) {
+#ifdef COOKBOOK_TP_TUNED
+  if (version != kTunedVersion) return cudaErrorInvalidValue;
+  launch_fused<kTunedVersion, T, kHfRounding>(p, stream);
+#else
+  switch (version) {
+    case 2: launch_fused<2, T, kHfRounding>(p, stream); break;
+    case 3: launch_fused<3, T, kHfRounding>(p, stream); break;
+    case 4: launch_fused<4, T, kHfRounding>(p, stream); break;
+    case 5: launch_fused<5, T, kHfRounding>(p, stream); break;
+    case 6: launch_fused<6, T, kHfRounding>(p, stream); break;
+    case 7: launch_fused<7, T, kHfRounding>(p, stream); break;
+    case 8: launch_fused<8, T, kHfRounding>(p, stream); break;
+    case 9: launch_fused<9, T, kHfRounding>(p, stream); break;
+    case 10: launch_fused<10, T, kHfRounding>(p, stream); break;
+    case 11: launch_fused<11, T, kHfRounding>(p, stream); break;
+    case 12: launch_fused<12, T, kHfRounding>(p, stream); break;
+    case 13: launch_fused<13, T, kHfRounding>(p, stream); break;
+    default: return cudaErrorInvalidValue;
+  }
+  static_assert(kNumVersions == 13, "a case per fused version above");
+#endif
+  return cudaGetLastError();
+}
+
+#ifdef COOKBOOK_TP_SPLIT_UNITS  // defined in the units of the tuned extension (cookbook/cuda.py)
+#define COOKBOOK_TP_EXTERN(T)                                                                   \
+  extern template cudaError_t sum_sq_of<T>(const Params&, float*, cudaStream_t);                \
+  extern template cudaError_t apply_of<T, false>(const ApplyParams&, cudaStream_t);             \
+  extern template cudaError_t apply_of<T, true>(const ApplyParams&, cudaStream_t);              \
+  extern template cudaError_t fused_of<T, false>(const FusedParams&, int, cudaStream_t);        \
+  extern template cudaError_t fused_of<T, true>(const FusedParams&, int, cudaStream_t);
+COOKBOOK_TP_EXTERN(float)
+COOKBOOK_TP_EXTERN(__half)
+COOKBOOK_TP_EXTERN(__nv_bfloat16)
+#undef COOKBOOK_TP_EXTERN
+#endif
+
+// By the call's dtype and rounding: f.template operator()<T, kHfRounding>().
+template <typename F>
+inline cudaError_t by_dtype(DType dtype, bool hf_rounding, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return hf_rounding ? f.template operator()<float, true>() : f.template operator()<float, false>();
+    case DType::kFloat16: return hf_rounding ? f.template operator()<__half, true>() : f.template operator()<__half, false>();
+    case DType::kBFloat16:
+      return hf_rounding ? f.template operator()<__nv_bfloat16, true>() : f.template operator()<__nv_bfloat16, false>();
+  }
+  return cudaErrorInvalidValue;
 }
 
 inline cudaError_t sum_sq(const Params& p, DType dtype, float* out, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
-  return dispatch_dtype(dtype, [&](auto tag) { launch_sum_sq<decltype(tag)>(p, out, stream); });
+  return by_dtype(dtype, false, [&]<typename T, bool>() { return sum_sq_of<T>(p, out, stream); });
 }
 
 inline cudaError_t apply(const ApplyParams& a, DType dtype, bool hf_rounding, cudaStream_t stream) {
   if (a.shard.num_tokens == 0) return cudaSuccess;
-  return dispatch_dtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    if (hf_rounding) {
-      launch_apply<T, true>(a, stream);
-    } else {
-      launch_apply<T, false>(a, stream);
-    }
-  });
+  return by_dtype(dtype, hf_rounding, [&]<typename T, bool kHf>() { return apply_of<T, kHf>(a, stream); });
 }
 
-constexpr int kNumVersions = 13;
+inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
+  if (version < 2 || version > kNumVersions || p.world < 1 || p.world > kMaxRanks) return cudaErrorInvalidValue;
+  return by_dtype(dtype, hf_rounding, [&]<typename T, bool kHf>() { return fused_of<T, kHf>(p, version, stream); });
+}
 
 // A rank that does not take part in a call (it rejected its arguments) still launches once, so
 // that the ranks stay in step: v2's kernel with no tokens and an absent header publishes it to
@@ -1851,39 +1912,6 @@ inline cudaError_t absent(FusedParams p, cudaStream_t stream) {
   p.slices_per_row = 1;
   fused_kernel<float, 1, false, false><<<1, kFusedThreads, 0, stream>>>(p);
   return cudaGetLastError();
-}
-
-// The fused versions (v2..kNumVersions); v1 is sum_sq + the host's all-reduce + apply.
-inline cudaError_t fused(const FusedParams& p, DType dtype, bool hf_rounding, int version, cudaStream_t stream) {
-  if (version < 2 || version > kNumVersions || p.world < 1 || p.world > kMaxRanks) return cudaErrorInvalidValue;
-  return dispatch_dtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    if (version == 2) {
-      hf_rounding ? launch_fused<2, T, true>(p, stream) : launch_fused<2, T, false>(p, stream);
-    } else if (version == 3) {
-      hf_rounding ? launch_fused<3, T, true>(p, stream) : launch_fused<3, T, false>(p, stream);
-    } else if (version == 4) {
-      hf_rounding ? launch_fused<4, T, true>(p, stream) : launch_fused<4, T, false>(p, stream);
-    } else if (version == 5) {
-      hf_rounding ? launch_fused<5, T, true>(p, stream) : launch_fused<5, T, false>(p, stream);
-    } else if (version == 6) {
-      hf_rounding ? launch_fused<6, T, true>(p, stream) : launch_fused<6, T, false>(p, stream);
-    } else if (version == 7) {
-      hf_rounding ? launch_fused<7, T, true>(p, stream) : launch_fused<7, T, false>(p, stream);
-    } else if (version == 8) {
-      hf_rounding ? launch_fused<8, T, true>(p, stream) : launch_fused<8, T, false>(p, stream);
-    } else if (version == 9) {
-      hf_rounding ? launch_fused<9, T, true>(p, stream) : launch_fused<9, T, false>(p, stream);
-    } else if (version == 10) {
-      hf_rounding ? launch_fused<10, T, true>(p, stream) : launch_fused<10, T, false>(p, stream);
-    } else if (version == 11) {
-      hf_rounding ? launch_fused<11, T, true>(p, stream) : launch_fused<11, T, false>(p, stream);
-    } else if (version == 12) {
-      hf_rounding ? launch_fused<12, T, true>(p, stream) : launch_fused<12, T, false>(p, stream);
-    } else {
-      hf_rounding ? launch_fused<13, T, true>(p, stream) : launch_fused<13, T, false>(p, stream);
-    }
-  });
 }
 
 }  // namespace cookbook::tp_qk_norm

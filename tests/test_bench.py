@@ -232,3 +232,37 @@ def test_a_partial_sweep_names_what_it_times_and_writes_beside_the_full_one():
     meta = {"gpu_slug": "h200", "dtype": "bfloat16"}
     assert bench.results_stem("qk_norm", meta) == "qk_norm_h200"
     assert bench.results_stem("qk_norm", dict(meta, tag="peers")) == "qk_norm_h200_peers"
+
+
+def test_sglang_tp_peer_says_why_it_cannot_run():
+    """SGLang's fused TP kernel (a row of the TP benchmark): the calls its wrapper and template
+    refuse are named, and without SGLang installed the row's reason says so."""
+    import torch
+
+    from cookbook.peers import guard, sglang_tp
+
+    bf16 = torch.bfloat16
+    assert sglang_tp.why_not(bf16, 4, 1536, 256, bf16) is None  # MiniMax-M2 at TP=4
+    assert sglang_tp.why_not(bf16, 2, 3072, 512, bf16) is None
+    assert "float16 and bfloat16 only" in sglang_tp.why_not(torch.float32, 2, 3072, 512, torch.float32)
+    assert "weights of the activations' dtype" in sglang_tp.why_not(bf16, 2, 3072, 512, torch.float32)
+    assert "power-of-two world" in sglang_tp.why_not(bf16, 3, 2048, 512, bf16)
+    assert "whole warps" in sglang_tp.why_not(bf16, 2, 3072 + 8, 512, bf16)
+    assert "1024 vectors" in sglang_tp.why_not(bf16, 2, 8192, 1024, bf16)
+    if guard.installed_version("sglang") is None:
+        assert "sglang" in sglang_tp.package().lower()
+
+
+def test_the_tp_page_compares_with_sglang_timed_in_the_same_run():
+    from cookbook.bench import tp as bench_tp
+
+    def row(impl, us, error=""):
+        return dict(label="T=1 q=6144 k=1024 (shard 1536/256)", impl=impl, median_us=us, error=error)
+
+    latest = bench_tp.registry.latest(bench_tp.OP, "cuda").name
+    text = bench_tp.sglang_comparison([row(bench_tp.SGLANG_TP, 2.0), row(latest, 2.5), row("cuda_v11", 3.0)])
+    assert "Against SGLang's fused TP kernel" in text and "| 2.00 " in text and "| 1.25 " in text
+    missing = bench_tp.sglang_comparison([row(bench_tp.SGLANG_TP, None, "PeerUnavailable: sglang is not installed"),
+                                          row(latest, 2.5)])
+    assert "not timed in this run: PeerUnavailable: sglang is not installed" in missing
+    assert bench_tp.sglang_comparison([row(latest, 2.5)]) == ""

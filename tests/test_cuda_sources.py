@@ -102,6 +102,26 @@ def test_binding_compiles(op):
     nvcc_jobs.result(nvcc_report.compile_binding, op)  # raises with nvcc's output
 
 
+@needs_nvcc
+@pytest.mark.nvcc("compile_tp_tuned", nvcc_report.DEFAULT_ARCH)
+def test_tp_tuned_extension_compiles_without_spills():
+    """tp_qk_norm's tuned extension (the units backend="cuda" builds): only v1's kernels and the
+    tuned version's, every dtype and rounding, no spills."""
+    kernels = nvcc_jobs.result(nvcc_report.compile_tp_tuned, nvcc_report.DEFAULT_ARCH)
+    assert kernels, "nvcc reported no kernels"
+    assert not [k for k in kernels if k.spill_bytes], "register spills"
+    names = " ".join(k.kernel for k in kernels)
+    assert "lean_rows_kernel" in names and "sum_sq_vec_kernel" in names
+    assert "(cookbook::tp_qk_norm::WeightSource)1>" not in names, "v8's walk (held weights), which no later version runs, was compiled"
+
+
+@needs_nvcc
+def test_tp_tuned_binding_compiles():
+    from cookbook import cuda
+
+    nvcc_report.compile_binding("tp_qk_norm", unit_text=cuda._tp_tuned_units()["binding.cu"])
+
+
 def _docs_versions():
     import importlib.util
 

@@ -1030,3 +1030,9 @@ def test_bench_tokens_that_are_not_positive_counts_are_refused(tokens, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--tokens" in err and "positive integers" in err and repr(tokens) in err, err
+
+
+def test_the_tuned_extension_holds_what_backend_cuda_runs():
+    from cookbook import cuda, registry
+
+    assert cuda.tp_tuned_version() == registry.fastest("tp_qk_norm").version == registry.latest("tp_qk_norm", "cuda").version

@@ -15,7 +15,9 @@ holds its shard (q and k as views into one fused qkv shard) and times, side by s
 * the communication alone: the NCCL all-reduce of the ``[T, 2]`` sums, and PyTorch's
   symmetric-memory one-shot all-reduce of the same tensor;
 * the same shard's single-GPU `cross_head_norm` (its tuned kernel), no communication:
-  the time the fused kernel should approach once communication is hidden.
+  the time the fused kernel should approach once communication is hidden;
+* SGLang's fused TP QK norm (`cookbook.peers.sglang_tp`), where SGLang is installed: checked against
+  the gathered reference like ours, then timed the same ways; where it cannot run, its row says why.
 
 Timing (``--timing graph``, the default): a CUDA graph of K calls (cycling through rotating input
 sets, as in `cookbook.bench`) is captured on every rank; each replay starts after a cross-rank
@@ -74,6 +76,7 @@ MEMORY_BUDGET_FRACTION = 0.25
 NCCL_SUMS = "nccl_all_reduce_sums"
 SYMM_MEM_SUMS = "symm_mem_one_shot_sums"
 LOCAL_SHARD = "local_cross_head_norm"
+SGLANG_TP = "sglang_fused_parallel_qknorm"
 DECODE = "decode"  # --shapes decode: the decode rows only (a short run)
 DECODE_TOKENS = 128
 MINIMAX = "minimax"  # --shapes minimax: MiniMax-M2's widths at every token count
@@ -226,11 +229,34 @@ def extra_rows(shape, sets, group):
     return rows
 
 
+class SGLangPeer:
+    """SGLang's fused TP kernel with the registry's calling convention (`check_once` and the timing
+    call it like ours): the shards of one MiniMax-like shape, calls of at most `max_tokens`."""
+
+    name = SGLANG_TP
+
+    def __init__(self, shape, dtype, world: int, max_tokens: int):
+        self.shape, self.dtype, self.world, self.max_tokens = shape, dtype, world, max_tokens
+
+    def build(self):
+        from cookbook.peers import sglang_tp
+
+        _, q_width, k_width = self.shape
+        fn = sglang_tp.kernel(self.dtype, self.world, q_width, k_width, self.max_tokens)
+
+        def run(q, k, q_weight, k_weight, eps, weight_offset, rounding, group):
+            if weight_offset != 0.0 or rounding != "fused":
+                raise ValueError("SGLang's kernel computes weight_offset=0 in the fused rounding order only")
+            fn(q, k, q_weight, k_weight, eps)
+
+        return run
+
+
 def calls_for(call_us: float, sets: int) -> int:
     return bench.calls_per_replay(sets, call_us) if call_us > 0 else sets
 
 
-def run_shape(shape, dtype, rank, world, group, meta, only=None, timing=GRAPH) -> list[dict]:
+def run_shape(shape, dtype, rank, world, group, meta, only=None, timing=GRAPH, max_tokens=None) -> list[dict]:
     t, q_width, k_width = shape
     label = f"T={t} q={q_width} k={k_width} (shard {q_width // world}/{k_width // world})"
     elem = torch.empty((), dtype=dtype).element_size()
@@ -241,6 +267,7 @@ def run_shape(shape, dtype, rank, world, group, meta, only=None, timing=GRAPH) -
     full, sets = make_sets(shape, dtype, rank, world, count)
     rows = []
     candidates = [(impl.name, impl, None) for impl in registry.implementations(OP)]
+    candidates.append((SGLANG_TP, SGLangPeer(shape, dtype, world, max(max_tokens or t, t)), None))
     candidates += [(name, fn, args) for name, fn, args in extra_rows(shape, sets, group)]
     for name, target, per_set in [c for c in candidates if only is None or c[0] in only]:
         row = {"op": OP, "shape": list(shape), "label": label, "impl": name, "median_us": None, "p20_us": None,
@@ -248,7 +275,7 @@ def run_shape(shape, dtype, rank, world, group, meta, only=None, timing=GRAPH) -
         try:
             if isinstance(target, Exception):
                 raise target
-            if per_set is None:  # a registered implementation: check it first
+            if per_set is None:  # a registered implementation or SGLang's: check it first
                 row["error"] = check_once(target, full, rank, world, dtype)
                 if row["error"]:
                     rows.append(row)
@@ -331,6 +358,32 @@ def published_comparison(rows, meta) -> str:
                               "local shard us"], body), ""])
 
 
+def sglang_package() -> str:
+    from cookbook.peers import sglang_tp
+
+    return sglang_tp.package()
+
+
+def sglang_comparison(rows) -> str:
+    """SGLang's fused TP kernel against the latest CUDA C version (what backend="cuda" runs) and the
+    fastest CUDA C version, at every shape both were timed in this run."""
+    latest = registry.latest(OP, "cuda").name
+    body = []
+    for label in dict.fromkeys(r["label"] for r in rows):
+        timed = {r["impl"]: r["median_us"] for r in rows if r["label"] == label and r["median_us"] is not None}
+        if SGLANG_TP not in timed or latest not in timed:
+            continue
+        theirs, best = timed[SGLANG_TP], fastest_version(timed)
+        body.append([label, f"{theirs:.2f}", f"{timed[latest]:.2f}", f"{timed[latest] / theirs:.2f}",
+                     f"{best[0]} {best[1]:.2f} ({best[1] / theirs:.2f})" if best else "-"])
+    if not body:
+        why = next((r["error"] for r in rows if r["impl"] == SGLANG_TP and r["error"]), "")
+        return f"SGLang's fused TP kernel: not timed in this run{': ' + why if why else ''}.\n" if why else ""
+    return "\n".join(["Against SGLang's fused TP kernel, timed in this run on the same GPUs and inputs:", "",
+                      bench.markdown_table(["shape", "SGLang us", f"{latest} us", f"{latest} / SGLang",
+                                            "fastest CUDA C version us (/ SGLang)"], body), ""])
+
+
 def page_stem(gpu_slug: str, world: int, timing: str = GRAPH) -> str:
     """The name of a results page without its suffix: `<op>_<gpu>x<tp>[_back_to_back]`."""
     return f"{OP}_{gpu_slug}x{world}" + (f"_{BACK_TO_BACK}" if timing == BACK_TO_BACK else "")
@@ -340,7 +393,7 @@ def write_results(rows, meta, out: Path, results_dir: Path | None, quiet: bool =
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{OP}_results.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
     text = table(rows, meta["timing_mode"])
-    comparison = published_comparison(rows, meta)
+    comparison = "\n".join(part for part in (sglang_comparison(rows), published_comparison(rows, meta)) if part)
     if not quiet:
         print(f"\n{OP} ({meta['dtype']}) on {meta['world']} x {meta['gpu']}\n{text}\n{comparison}")
     if results_dir is None:
@@ -359,6 +412,7 @@ def write_results(rows, meta, out: Path, results_dir: Path | None, quiet: bool =
         f"- timing: {meta['timing']}",
         f"- x local shard: the row's time over the same shard's single-GPU `cross_head_norm` "
         f"({LOCAL_SHARD}: no communication)",
+        *([f"- {SGLANG_TP}: {sglang_package()}"] if any(r["impl"] == SGLANG_TP for r in rows) else []),
         "",
         text,
         "",
@@ -552,7 +606,7 @@ def main(argv=None) -> int:
     parser = arguments()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    known = [impl.name for impl in registry.implementations(OP)] + [NCCL_SUMS, SYMM_MEM_SUMS, LOCAL_SHARD]
+    known = [impl.name for impl in registry.implementations(OP)] + [SGLANG_TP, NCCL_SUMS, SYMM_MEM_SUMS, LOCAL_SHARD]
     unknown = sorted(set(args.impls.split(",")) - set(known)) if args.impls else []
     if unknown:
         parser.error(f"--impls: unknown row(s) {unknown}; expected names from {known}")
@@ -587,7 +641,7 @@ def main(argv=None) -> int:
         shapes = bench_shapes(args.shapes, args.tokens)
         for shape in shapes:  # the page is rewritten after every shape: a run cut short keeps what it measured
             rows += run_shape(shape, dtype, rank, world, group, meta, args.impls.split(",") if args.impls else None,
-                              args.timing)
+                              args.timing, max_tokens=max(s[0] for s in shapes))
             torch.cuda.empty_cache()
             if rank == 0:
                 write_results(rows, meta, Path(args.out),

@@ -3,6 +3,9 @@
 //   cookbook::tp_qk_norm_apply    v1 step 3: normalize the shard from the all-reduced sums
 //   cookbook::tp_qk_norm_fused    v2 on: the whole op in one kernel, peers' buffers by address
 //   cookbook::tp_qk_norm_absent   the fused protocol's launch of a rank that rejected its arguments
+// Built twice (cookbook/cuda.py, `load_tp`): as the ladder's extension, every version in this one
+// unit; and as the tuned extension (COOKBOOK_TP_TUNED: v1 and kTunedVersion only, its kernels in
+// units of their own), whose ops are named cookbook::tp_qk_norm_tuned_*.
 // The all-reduce of v1 (NCCL) and the symmetric-memory workspace of v2 are set up in Python
 // (cookbook/cuda.py, cookbook/tp_workspace.py); the fake (meta) kernels are registered there too.
 #include <torch/library.h>
@@ -11,6 +14,12 @@
 
 #include "bindings/torch_glue.h"
 #include "tp_qk_norm.cuh"
+
+#ifdef COOKBOOK_TP_TUNED
+#define COOKBOOK_TP_OP(name) "tp_qk_norm_tuned_" name
+#else
+#define COOKBOOK_TP_OP(name) "tp_qk_norm_" name
+#endif
 
 namespace {
 
@@ -101,8 +110,13 @@ void fused_cuda(at::Tensor q, at::Tensor k, const at::Tensor& q_weight, const at
   tp_qk_norm::FusedParams p = workspace_params(counters, buffers, status, rank, capacity);
   p.shard = shard_params(q, k, &q_weight, &k_weight, eps, weight_offset);
   TORCH_CHECK(counters.device() == q.device(), "counters: expected them on ", q.device(), ", got ", counters.device());
+#ifdef COOKBOOK_TP_TUNED
+  TORCH_CHECK(version == tp_qk_norm::kTunedVersion, "version: the tuned extension runs v", tp_qk_norm::kTunedVersion,
+              " only, got ", version);
+#else
   TORCH_CHECK(version >= 2 && version <= tp_qk_norm::kNumVersions, "version: expected 2..", tp_qk_norm::kNumVersions,
               ", got ", version);
+#endif
   p.q_full_width = static_cast<float>(p.shard.q_hidden * p.world);
   p.k_full_width = static_cast<float>(p.shard.k_hidden * p.world);
   tp_qk_norm::call_header(p, q.size(0), glue::dtype_of(q), hf_rounding, static_cast<int>(version),
@@ -121,20 +135,20 @@ void absent_cuda(at::Tensor counters, c10::IntArrayRef buffers, int64_t status, 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cookbook, m) {
-  m.def("tp_qk_norm_sum_sq(Tensor q, Tensor k, Tensor(a!) sum_sq) -> ()");
-  m.def(
-      "tp_qk_norm_apply(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, Tensor sum_sq, float eps, "
-      "float weight_offset, int q_full_width, int k_full_width, bool hf_rounding) -> ()");
-  m.def(
-      "tp_qk_norm_fused(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, Tensor(c!) counters, "
-      "int[] buffers, int status, int rank, int capacity, float eps, float weight_offset, bool hf_rounding, "
-      "int version) -> ()");
-  m.def("tp_qk_norm_absent(Tensor(a!) counters, int[] buffers, int status, int rank, int capacity) -> ()");
+  m.def(COOKBOOK_TP_OP("sum_sq") "(Tensor q, Tensor k, Tensor(a!) sum_sq) -> ()");
+  m.def(COOKBOOK_TP_OP("apply")
+        "(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, Tensor sum_sq, float eps, "
+        "float weight_offset, int q_full_width, int k_full_width, bool hf_rounding) -> ()");
+  m.def(COOKBOOK_TP_OP("fused")
+        "(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, Tensor(c!) counters, "
+        "int[] buffers, int status, int rank, int capacity, float eps, float weight_offset, bool hf_rounding, "
+        "int version) -> ()");
+  m.def(COOKBOOK_TP_OP("absent") "(Tensor(a!) counters, int[] buffers, int status, int rank, int capacity) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cookbook, CUDA, m) {
-  m.impl("tp_qk_norm_sum_sq", &sum_sq_cuda);
-  m.impl("tp_qk_norm_apply", &apply_cuda);
-  m.impl("tp_qk_norm_fused", &fused_cuda);
-  m.impl("tp_qk_norm_absent", &absent_cuda);
+  m.impl(COOKBOOK_TP_OP("sum_sq"), &sum_sq_cuda);
+  m.impl(COOKBOOK_TP_OP("apply"), &apply_cuda);
+  m.impl(COOKBOOK_TP_OP("fused"), &fused_cuda);
+  m.impl(COOKBOOK_TP_OP("absent"), &absent_cuda);
 }
