@@ -355,38 +355,40 @@ def split_extra_bytes(k, v) -> int:
     return (k.numel() + v.numel()) * k.element_size()
 
 
-# Shapes the benchmark sweeps: (tokens, q heads, kv heads, head_dim, cache dtype name). Qwen3-8B's
-# widths (32 q heads, 8 kv heads, head_dim 128, NeoX, full rotary), decode (1 to 256 tokens, one
-# per sequence) and prefill (4096 and 8192 tokens), each with a bf16 and an FP8 cache.
-CACHE_DTYPES = {"auto": None, "fp8": FP8}  # "auto": the activations' dtype
+# Shapes the benchmark sweeps: (tokens, q heads, kv heads, head_dim, fp8). Qwen3-8B's widths (32
+# q heads, 8 kv heads, head_dim 128, NeoX, full rotary), decode (1 to 256 tokens, one per
+# sequence) and prefill (4096 and 8192 tokens), each with a cache in the activation dtype (fp8=0)
+# and an FP8 one (fp8=1).
 BENCH_TOKENS = (1, 8, 32, 128, 256, 4096, 8192)
-BENCH_SHAPES = [(t, 32, 8, 128, cache) for cache in CACHE_DTYPES for t in BENCH_TOKENS]
+DECODE_MAX_TOKENS = 256
+BENCH_SHAPES = [(t, 32, 8, 128, fp8) for fp8 in (0, 1) for t in BENCH_TOKENS]
 BENCH_BLOCK_SIZE = 16  # vLLM's default block size
-SIM_SHAPES = [(2, 2, 1, 64, "auto"), (3, 2, 1, 32, "fp8")]
+BENCH_MAX_POSITION = 4096  # a decode step's positions: anywhere in its sequence
+SIM_SHAPES = [(2, 2, 1, 64, 0), (3, 2, 1, 32, 1)]
 
 
 def bench_case(shape, dtype, device, seed=0):
     """(kwargs, label) for one benchmark shape: q, k and v as views of one fused qkv tensor, a
-    float32 cos/sin table, positions 0..T-1 at prefill (one sequence) or a decode step's (one
-    token per sequence, each at its own position), and distinct slots: prefill's consecutive, a
-    decode step's one per sequence, each in its own block."""
-    t, hq, hk, d, cache = shape
-    if cache not in CACHE_DTYPES:
-        raise ValueError(f"shape: expected (tokens, q heads, kv heads, head_dim, cache in {tuple(CACHE_DTYPES)}), "
-                         f"got {shape!r}")
-    decode = t <= max(BENCH_TOKENS[:5])
+    float32 cos/sin table, distinct slots, and the positions and slots of a prefill (one sequence:
+    positions 0..T-1, consecutive slots) or of a decode step (T <= 256: one token per sequence,
+    each at a random position and in a block of its own)."""
+    t, hq, hk, d, fp8 = shape
+    if fp8 not in (0, 1):
+        raise ValueError(f"shape: expected (tokens, q heads, kv heads, head_dim, fp8 0 or 1), got {shape!r}")
+    decode = t <= DECODE_MAX_TOKENS
     num_blocks = t + 1 if decode else t // BENCH_BLOCK_SIZE + 1
     inputs = make_inputs(t, hq, hk, d, d, True, dtype, device, seed=seed, fused_qkv=True,
-                         cache_dtype=CACHE_DTYPES[cache], num_blocks=num_blocks, block_size=BENCH_BLOCK_SIZE,
-                         max_position=4096 if decode else t)
+                         cache_dtype=FP8 if fp8 else None, num_blocks=num_blocks, block_size=BENCH_BLOCK_SIZE,
+                         max_position=BENCH_MAX_POSITION if decode else t)
     if torch.device(device).type != "meta":
+        gen = torch.Generator().manual_seed(seed)
         if decode:
-            inputs["positions"] = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(seed)).to(device)
-            inputs["slot_mapping"] = (torch.arange(t) * BENCH_BLOCK_SIZE + 3).to(device)
+            inputs["positions"] = torch.randint(0, BENCH_MAX_POSITION, (t,), generator=gen).to(device)
+            inputs["slot_mapping"] = (torch.arange(t) * BENCH_BLOCK_SIZE + 3).to(device)  # row 3 of block t
         else:
             inputs["positions"] = torch.arange(t, device=device)
             inputs["slot_mapping"] = torch.arange(t, device=device)
-    label = f"T={t} Hq={hq} Hk={hk} D={d} cache={'fp8' if cache == 'fp8' else dtype_name(dtype)}"
+    label = f"T={t} Hq={hq} Hk={hk} D={d} cache={'fp8' if fp8 else dtype_name(dtype)}"
     return inputs, label
 
 
