@@ -18,11 +18,9 @@
 
 #include "include/dtype.h"
 #include "qk_norm_rope/params.h"
+#include "qk_norm_rope_cache/cache_dtype.h"
 
 namespace cookbook::qk_norm_rope_cache {
-
-// What the caches store (a runtime field; each launcher turns it into a kernel's template argument).
-enum class CacheDtype : int { kActivation = 0, kFp8E4m3 = 1 };
 
 // One paged cache [num_blocks, block_size, num_kv_heads, head_dim], strides in elements of its
 // dtype, the last dim contiguous.

@@ -34,10 +34,8 @@ __global__ void __launch_bounds__(kCopyThreads) qk_norm_rope_cache_v1_copy_kerne
   C* v_row = cache_row<C>(p.v_cache, slot, p.block_size, head);
   const float k_scale = cache_scale<kCache>(p.k_cache);
   const float v_scale = cache_scale<kCache>(p.v_cache);
-  for (int d = lane; d < p.rope.head_dim; d += kWarpSize) {
-    k_row[d] = cache_element<T, kCache>(to_float<T>(k[d]), k_scale);
-    v_row[d] = cache_element<T, kCache>(to_float<T>(v[d]), v_scale);
-  }
+  for (int d = lane; d < p.rope.head_dim; d += kWarpSize) k_row[d] = cache_element<T, kCache>(to_float<T>(k[d]), k_scale);
+  for (int d = lane; d < p.rope.head_dim; d += kWarpSize) v_row[d] = cache_element<T, kCache>(to_float<T>(v[d]), v_scale);
 }
 
 // The copy of every (token, kv head) row of k and v into the caches, after what `stream` holds.

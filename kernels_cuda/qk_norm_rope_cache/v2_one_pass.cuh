@@ -57,7 +57,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_v2_kernel
   }
   const int64_t slot = active && (is_k || is_v) ? slot_of(p, token) : -1;
 
-  float xa[kUnits][kVecElems], xb[kUnits][kVecElems];  // 2. the sum of squares (v rows add nothing)
+  if (is_v && slot >= 0) {  // 2v. the v row into its slot, before the sum (which it only joins)
+    C* dst = cache_row<C>(p.v_cache, slot, p.block_size, kv_head - r.num_kv_heads);
+    const float scale = cache_scale<kCache>(p.v_cache);
+#pragma unroll
+    for (int s = 0; s < kUnits; ++s) {
+      store_cache<T, kCache, false, 1>(dst + u.col_a[s], {a[s]}, scale);
+      store_cache<T, kCache, false, 1>(dst + u.col_b[s], {b[s]}, scale);
+    }
+  }
+  float xa[kUnits][kVecElems], xb[kUnits][kVecElems];  // 3. the sum of squares (v rows add nothing)
   float sum_sq = 0.f;
 #pragma unroll
   for (int s = 0; s < kUnits; ++s) {
@@ -67,21 +76,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_v2_kernel
     for (int j = 0; j < kVecElems; ++j) sum_sq += is_v ? 0.f : xa[s][j] * xa[s][j] + xb[s][j] * xb[s][j];
   }
   const float rstd = rstd_from(warp_sum<Lanes::kLanes>(sum_sq), static_cast<float>(kHeadDim), r.eps);
-  if (!active) return;
+  if (!active || is_v) return;
 
-  if (is_v) {  // 3v. the v row into its slot
-    if (slot < 0) return;
-    C* dst = cache_row<C>(p.v_cache, slot, p.block_size, kv_head - r.num_kv_heads);
-    const float scale = cache_scale<kCache>(p.v_cache);
-#pragma unroll
-    for (int s = 0; s < kUnits; ++s) {
-      store_cache<T, kCache, false, 1>(dst + u.col_a[s], {a[s]}, scale);
-      store_cache<T, kCache, false, 1>(dst + u.col_b[s], {b[s]}, scale);
-    }
-    return;
-  }
-
-  const int64_t cache = qk_norm_rope::cache_row(r, token);  // 3. per unit: normalize, rotate, store
+  const int64_t cache = qk_norm_rope::cache_row(r, token);  // 4. per unit: normalize, rotate, store
   C* k_dst = slot >= 0 ? cache_row<C>(p.k_cache, slot, p.block_size, kv_head) : nullptr;
   const float k_scale = k_dst != nullptr ? cache_scale<kCache>(p.k_cache) : 1.f;
 #pragma unroll
