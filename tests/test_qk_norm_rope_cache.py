@@ -61,9 +61,9 @@ def check_run(fn, inputs, *, eps=1e-6, weight_offset=0.0, rounding="fused", name
 def build(shape, case):
     tokens, hq, hk, head_dim, rope_dim, block_size = shape
     return contract.make_inputs(
-        tokens, hq, hk, head_dim, rope_dim, case["is_neox"], case["dtype"], DEVICE, seed=case["seed"],
-        fused_qkv=case["fused_qkv"], weight_dtype=torch.float32 if case["fp32_weight"] else None, kind=case["kind"],
-        cache_dtype=FP8 if case["fp8"] else None, block_size=block_size, slot_dtype=case["slot_dtype"],
+        tokens, hq, hk, head_dim, case["fp8"], case["dtype"], DEVICE, rope_dim=rope_dim, is_neox=case["is_neox"],
+        seed=case["seed"], fused_qkv=case["fused_qkv"], weight_dtype=torch.float32 if case["fp32_weight"] else None,
+        kind=case["kind"], block_size=block_size, slot_dtype=case["slot_dtype"],
         skipped=case["skipped"], cos_sin_dtype=torch.float32 if case["fp32_cos_sin"] else case["dtype"])
 
 
@@ -122,8 +122,8 @@ FIXED = [
 def test_fixed_cases(impl, case):
     require(impl)
     t, hq, hk, d, rope_dim, is_neox, dtype, fp8, rounding, block_size, skipped = case
-    inputs = contract.make_inputs(t, hq, hk, d, rope_dim, is_neox, dtype, DEVICE, seed=9, fused_qkv=True,
-                                  cache_dtype=FP8 if fp8 else None, block_size=block_size, skipped=skipped,
+    inputs = contract.make_inputs(t, hq, hk, d, fp8, dtype, DEVICE, rope_dim=rope_dim, is_neox=is_neox, seed=9,
+                                  fused_qkv=True, block_size=block_size, skipped=skipped,
                                   slot_dtype=torch.int32, position_dtype=torch.int32)
     check_run(impl.fn, inputs, weight_offset=1.0, rounding=rounding, name=impl.name)
 
@@ -133,7 +133,7 @@ def test_caches_as_views_of_one_kv_tensor(impl):
     """k_cache and v_cache as kv[:, 0] and kv[:, 1] of one [blocks, 2, block_size, heads, head_dim]
     tensor (strided blocks), FP8: the other half of each block is never touched."""
     require(impl)
-    inputs = contract.make_inputs(3, 2, 1, 64, 64, True, torch.bfloat16, DEVICE, seed=3, cache_dtype=FP8, block_size=2)
+    inputs = contract.make_inputs(3, 2, 1, 64, True, torch.bfloat16, DEVICE, seed=3, block_size=2)
     kv = torch.zeros((inputs["k_cache"].shape[0], 2, *inputs["k_cache"].shape[1:]), dtype=FP8, device=DEVICE)
     kv[:, 0], kv[:, 1] = inputs["k_cache"], inputs["v_cache"]
     inputs["k_cache"], inputs["v_cache"] = kv[:, 0], kv[:, 1]
@@ -145,7 +145,8 @@ def test_slots_of_minus_one_and_out_of_range_write_nothing(impl):
     """-1 skips a token; a slot out of range (not validated) writes nothing either: no backend ever
     writes outside the cache. q and k are still normalized and rotated."""
     require(impl)
-    inputs = contract.make_inputs(4, 2, 1, 64, 64, False, torch.bfloat16, DEVICE, seed=6, block_size=2, num_blocks=3)
+    inputs = contract.make_inputs(4, 2, 1, 64, False, torch.bfloat16, DEVICE, is_neox=False, seed=6, block_size=2,
+                                  num_blocks=3)
     inputs["slot_mapping"] = torch.tensor([-1, 6, 5, -1], device=DEVICE)  # 6 slots: 6 is out of range
     before = {c: inputs[c].clone() for c in ("k_cache", "v_cache")}
     check_run(impl.fn, inputs, name=impl.name)
@@ -222,14 +223,14 @@ WRONG = {
 
 
 def test_the_right_write_passes_the_check():
-    inputs = contract.make_inputs(5, 2, 1, 32, 32, True, torch.bfloat16, seed=2, cache_dtype=FP8, block_size=3,
+    inputs = contract.make_inputs(5, 2, 1, 32, True, torch.bfloat16, seed=2, block_size=3,
                                   skipped=1)
     check_run(_reference_then(_write_with(lambda s, bs: s // bs, lambda s, bs: s % bs, _right_store)), inputs)
 
 
 @pytest.mark.parametrize("wrong", WRONG, ids=list(WRONG))
 def test_wrong_cache_write_is_rejected(wrong):
-    inputs = contract.make_inputs(5, 2, 1, 32, 32, True, torch.bfloat16, seed=2, cache_dtype=FP8, block_size=3,
+    inputs = contract.make_inputs(5, 2, 1, 32, True, torch.bfloat16, seed=2, block_size=3,
                                   skipped=1)
     with pytest.raises(AssertionError):
         check_run(WRONG[wrong], inputs)
@@ -317,7 +318,7 @@ def _public(inputs):
 
 
 def test_public_api_returns_the_same_tensors():
-    inputs = contract.make_inputs(4, 2, 1, 64, 64, True, torch.float32, DEVICE, seed=1, cache_dtype=FP8, skipped=1)
+    inputs = contract.make_inputs(4, 2, 1, 64, True, torch.float32, DEVICE, seed=1, skipped=1)
     tensors, kwargs = _public(inputs)
     want = _clone(tensors)
     a = contract.check_inputs(**want, rope=inputs["rope"], eps=1e-6, weight_offset=0.0, rounding="fused")
@@ -330,7 +331,7 @@ def test_public_api_returns_the_same_tensors():
 
 def test_leading_token_dims():
     """`[batch, seq, heads, head_dim]` q, k, v with positions and slots `[batch, seq]`."""
-    inputs = contract.make_inputs(6, 2, 1, 64, 64, True, torch.float32, DEVICE, seed=3, block_size=4)
+    inputs = contract.make_inputs(6, 2, 1, 64, False, torch.float32, DEVICE, seed=3, block_size=4)
     tensors, kwargs = _public(inputs)
     flat = _clone(tensors)
     cookbook.qk_norm_rope_cache(**flat, **kwargs, backend="reference")
@@ -342,8 +343,7 @@ def test_leading_token_dims():
 
 
 def _good(fp8=True, device=DEVICE):
-    inputs = contract.make_inputs(3, 4, 2, 64, 32, True, torch.bfloat16, device, seed=5, block_size=2,
-                                  cache_dtype=FP8 if fp8 else None)
+    inputs = contract.make_inputs(3, 4, 2, 64, fp8, torch.bfloat16, device, rope_dim=32, seed=5, block_size=2)
     tensors, kwargs = _public(inputs)
     return dict(tensors, **kwargs)
 

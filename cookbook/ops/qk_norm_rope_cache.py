@@ -294,15 +294,15 @@ INPUT_KINDS = qk_norm_contract.INPUT_KINDS
 FP8_SCALES = (0.05, 0.5)  # k_scale, v_scale of make_inputs: k' and v of rms ~1 over e4m3's range
 
 
-def make_inputs(num_tokens=8, num_q_heads=4, num_kv_heads=1, head_dim=128, rope_dim=None, is_neox=True,
-                dtype=torch.bfloat16, device="cpu", *, seed=0, weight_dtype=None, fused_qkv=False, kind="normal",
-                cache_dtype=None, num_blocks=None, block_size=16, slot_dtype=torch.int64, skipped=0,
-                cos_sin_dtype=torch.float32, max_position=None, position_dtype=torch.int64):
+def make_inputs(num_tokens=8, num_q_heads=4, num_kv_heads=1, head_dim=128, fp8=False, dtype=torch.bfloat16, device="cpu",
+                *, rope_dim=None, is_neox=True, seed=0, weight_dtype=None, fused_qkv=False, kind="normal",
+                num_blocks=None, block_size=16, slot_dtype=torch.int64, skipped=0, cos_sin_dtype=torch.float32,
+                max_position=None, position_dtype=torch.int64):
     """Seeded inputs: `qk_norm_rope.make_inputs`' q, k, weights, cos/sin table and positions, a v
     (the third part of the fused qkv tensor with `fused_qkv=True`), caches of `num_blocks` blocks
-    (default: room for every token and one block more) filled with seeded values, in `cache_dtype`
-    (default the activations'; FP8 takes the FP8_SCALES), and distinct random slots, the first
-    `skipped` of them -1. Returns a dict of the op's arguments; the rotary settings travel as `rope`."""
+    (default: room for every token and two blocks more) filled with seeded values, FP8 (with the
+    FP8_SCALES) or in the activation dtype, and distinct random slots, the first `skipped` of them
+    -1. Returns a dict of the op's arguments; the rotary settings travel as `rope`."""
     inputs = rope_contract.make_inputs(num_tokens, num_q_heads, num_kv_heads, head_dim, rope_dim, is_neox, dtype,
                                        device, seed=seed, weight_dtype=weight_dtype, fused_qkv=fused_qkv, kind=kind,
                                        cache_dtype=cos_sin_dtype, max_position=max_position,
@@ -315,7 +315,7 @@ def make_inputs(num_tokens=8, num_q_heads=4, num_kv_heads=1, head_dim=128, rope_
         v = qkv[:, (num_q_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
     else:
         v = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to(dtype=dtype, device=device)
-    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    cache_dtype = FP8 if fp8 else dtype
     num_blocks = num_tokens // block_size + 2 if num_blocks is None else num_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
 
@@ -349,10 +349,10 @@ def bytes_moved(q, k, v, q_weight, k_weight, cos_sin_cache, positions, k_cache, 
     return rope + v.numel() * v.element_size() + cache_writes + slot_mapping.numel() * slot_mapping.element_size()
 
 
-def split_extra_bytes(k, v) -> int:
-    """What a split path (qk_norm_rope, then a cache-write kernel) moves on top of `bytes_moved`:
-    k and v read again by the second kernel."""
-    return (k.numel() + v.numel()) * k.element_size()
+def split_extra_bytes(k) -> int:
+    """What the split path (qk_norm_rope, then a cache-write kernel) moves on top of `bytes_moved`:
+    k, written by the first kernel, read again by the second (v is read once either way)."""
+    return k.numel() * k.element_size()
 
 
 # Shapes the benchmark sweeps: (tokens, q heads, kv heads, head_dim, fp8). Qwen3-8B's widths (32
@@ -364,7 +364,7 @@ DECODE_MAX_TOKENS = 256
 BENCH_SHAPES = [(t, 32, 8, 128, fp8) for fp8 in (0, 1) for t in BENCH_TOKENS]
 BENCH_BLOCK_SIZE = 16  # vLLM's default block size
 BENCH_MAX_POSITION = 4096  # a decode step's positions: anywhere in its sequence
-SIM_SHAPES = [(2, 2, 1, 64, 0), (3, 2, 1, 32, 1)]
+SIM_SHAPES = [(2, 2, 1, 64, 0), (3, 2, 1, 32, 1)]  # (tokens, q heads, kv heads, head_dim, fp8), tiny
 
 
 def bench_case(shape, dtype, device, seed=0):
@@ -377,8 +377,8 @@ def bench_case(shape, dtype, device, seed=0):
         raise ValueError(f"shape: expected (tokens, q heads, kv heads, head_dim, fp8 0 or 1), got {shape!r}")
     decode = t <= DECODE_MAX_TOKENS
     num_blocks = t + 1 if decode else t // BENCH_BLOCK_SIZE + 1
-    inputs = make_inputs(t, hq, hk, d, d, True, dtype, device, seed=seed, fused_qkv=True,
-                         cache_dtype=FP8 if fp8 else None, num_blocks=num_blocks, block_size=BENCH_BLOCK_SIZE,
+    inputs = make_inputs(t, hq, hk, d, bool(fp8), dtype, device, seed=seed, fused_qkv=True, num_blocks=num_blocks,
+                         block_size=BENCH_BLOCK_SIZE,
                          max_position=BENCH_MAX_POSITION if decode else t)
     if torch.device(device).type != "meta":
         gen = torch.Generator().manual_seed(seed)
