@@ -140,7 +140,8 @@ for shape in contract.BENCH_SHAPES:
 
 # %% [markdown]
 # At decode the op is tens of kilobytes: time is launches and dependent round trips, and the split
-# path adds a whole launch. At prefill it is bandwidth: fusing saves the 7.5 % of k's second read.
+# path adds a whole launch. At prefill it is bandwidth: fusing saves k's second read, 7.5 % of the
+# bytes with a bf16 cache and 8.2 % with an FP8 one.
 #
 # ## 5. The Numba kernel
 #
