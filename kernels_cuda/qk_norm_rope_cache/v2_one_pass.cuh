@@ -1,4 +1,4 @@
-// v2: one kernel, a lane group per q, k or v row: k stored to k and its slot from registers, v copied - removes v1's second launch and re-read
+// v2: one kernel, a lane group per q, k or v row, k stored twice from registers - removes v1's second launch and re-read
 //
 // grid.x: ceil(rows / kRowsPerBlock), rows = T * (Hq + 2 Hk); lane group -> row (q's heads, then
 // k's, then v's of each token), two 16-byte vectors per lane slot (PairLanes in

@@ -1,4 +1,4 @@
-// v3: a programmatic launch, the tables and the slot warmed into L2 during its wait and read with the row - removes the launch gap and decode's table round trips
+// v3: a programmatic launch, tables and slots warmed into L2 during its wait, read with the row - removes the launch gap and decode's table round trips
 //
 // grid.x: ceil(rows / kRowsPerBlock); lane group -> row, as in v2. At decode a call is a few
 // hundred rows and its time a chain of round trips: the row, its token's position and slot, the
