@@ -221,7 +221,7 @@ def bench_kernel(kernel):
     if "copy_kernel<__nv_bfloat16" in name:
         return True
     return "__nv_bfloat16, (cookbook::Rounding)0, 128, " in name and ("true, __nv_bfloat16, float," in name or
-                                                                     "Layout)1, (cookbook::qk_norm_rope_cache::tuned::TableDtype)0, (cookbook::qk_norm_rope_cache::tuned::TableDtype)1" in name)
+                                                                     "Layout)1, (cookbook::qk_norm_rope::tuned::TableDtype)0, (cookbook::qk_norm_rope::tuned::TableDtype)1" in name)
 
 
 walkthrough.register_table(OP, [impl.name for impl in [*LADDER, TUNED]], bench_kernel)

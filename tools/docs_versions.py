@@ -349,7 +349,7 @@ def cache_extension_registers(op: str) -> dict[str, str]:
         if impl.version == 1:
             wanted = f"{op}_v1_copy_kernel<__nv_bfloat16, {CACHE_DTYPE_ARG}"
         elif impl.level == "tuned":
-            tuned = "(cookbook::qk_norm_rope_cache::tuned::"
+            tuned = "(cookbook::qk_norm_rope::tuned::"  # its layout and table choices are qk_norm_rope's
             wanted = (f"{op}_tuned_kernel<__nv_bfloat16, (cookbook::Rounding)0, {HEAD_DIM}, {tuned}Layout)1, "
                       f"{tuned}TableDtype)0, {tuned}TableDtype)1, {CACHE_DTYPE_ARG}")
         else:

@@ -14,24 +14,26 @@
 #include <string>
 
 #include "include/dtype.h"
+#include "qk_norm_rope/policy.h"  // the sizes, the layout and table choices, the names: shared as they are
 #include "qk_norm_rope_cache/cache_dtype.h"
 
 namespace cookbook::qk_norm_rope_cache::tuned {
 
-// The hardware sizes the policy reasons in (tuned.cuh checks them against include/common.cuh).
-constexpr int kWarpLanes = 32;
-constexpr int kVectorBytes = 16;  // one lane's widest load or store
+using qk_norm_rope::tuned::ceil_div;
+using qk_norm_rope::tuned::Facts;
+using qk_norm_rope::tuned::is_vector_head_dim;
+using qk_norm_rope::tuned::kThreadsPerBlock;
+using qk_norm_rope::tuned::kVectorBytes;
+using qk_norm_rope::tuned::kVectorHeadDims;
+using qk_norm_rope::tuned::kWarpLanes;
+using qk_norm_rope::tuned::lanes_per_row_of;
+using qk_norm_rope::tuned::Layout;
+using qk_norm_rope::tuned::name_of;
+using qk_norm_rope::tuned::storage_type_name;
+using qk_norm_rope::tuned::TableDtype;
+using qk_norm_rope::tuned::vec_elems_of;
 
-constexpr int kThreadsPerBlock = 256;
 constexpr int kCopyWarpsPerBlock = 8;  // rung 1's copy kernel (v1_rope_then_cache_copy.cuh keeps the same constant)
-static_assert(kThreadsPerBlock % kWarpLanes == 0, "whole warps per block");
-
-// The head_dims compiled for the vector path; any other runs the split path.
-constexpr int kVectorHeadDims[] = {64, 128, 256};
-
-// The policy's choices, as the kernel's template arguments take them.
-enum class Layout : int { kInterleaved = 0, kNeox = 1 };        // pairs (2i, 2i + 1), or (i, i + rope_dim / 2)
-enum class TableDtype : int { kActivation = 0, kFloat32 = 1 };  // a table's elements: the activation dtype or float32
 
 // What the policy reads of a call.
 struct Call {
@@ -85,24 +87,6 @@ struct Plan {
   int64_t waves = 0;         // the grid in waves of resident blocks
 };
 
-constexpr int element_bytes_of(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
-constexpr int vec_elems_of(DType dtype) { return kVectorBytes / element_bytes_of(dtype); }
-
-constexpr bool is_vector_head_dim(int head_dim) {
-  for (int d : kVectorHeadDims) {
-    if (d == head_dim) return true;
-  }
-  return false;
-}
-
-// The lanes of a row's group: one per two-vector unit, at most a warp (PairLanes in qk_norm_rope/rows.cuh).
-constexpr int lanes_per_row_of(DType dtype, int head_dim) {
-  const int units = head_dim / vec_elems_of(dtype) / 2;
-  return units < kWarpLanes ? units : kWarpLanes;
-}
-
-constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // The plan of `call` on a GPU of `sms` SMs; blocks_per_sm(kernel) is how many blocks of `kernel`
 // are resident at once on one SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor on a GPU).
 template <typename BlocksPerSm>
@@ -140,15 +124,6 @@ Plan plan(const Call& call, int sms, BlocksPerSm&& blocks_per_sm) {
 }
 
 // ---- the plan in words: `key=value` lines --------------------------------------------------
-constexpr const char* storage_type_name(DType dtype) {
-  return dtype == DType::kFloat32 ? "float" : dtype == DType::kFloat16 ? "__half" : "__nv_bfloat16";
-}
-
-inline const char* name_of(Rounding rounding) { return rounding == Rounding::kFused ? "Rounding::kFused" : "Rounding::kHf"; }
-inline const char* name_of(Layout layout) { return layout == Layout::kNeox ? "Layout::kNeox" : "Layout::kInterleaved"; }
-inline const char* name_of(TableDtype storage) {
-  return storage == TableDtype::kFloat32 ? "TableDtype::kFloat32" : "TableDtype::kActivation";
-}
 inline const char* name_of(CacheDtype cache) {
   return cache == CacheDtype::kFp8E4m3 ? "CacheDtype::kFp8E4m3" : "CacheDtype::kActivation";
 }
@@ -187,23 +162,6 @@ inline std::string template_arguments(const Kernel& kernel) {
          ", kLayout=" + name_of(kernel.layout) + ", kWeights=" + name_of(kernel.weights) + ", kCosSin=" +
          name_of(kernel.cos_sin) + ", kCache=" + name_of(kernel.cache);
 }
-
-// One `key=value` line per fact.
-class Facts {
- public:
-  Facts& add(const char* key, const std::string& value) {
-    text_ += std::string(key) + "=" + value + "\n";
-    return *this;
-  }
-  Facts& add(const char* key, const char* value) { return add(key, std::string(value)); }
-  Facts& add(const char* key, bool value) { return add(key, value ? "true" : "false"); }
-  Facts& add(const char* key, int64_t value) { return add(key, std::to_string(value)); }
-  Facts& add(const char* key, int value) { return add(key, std::to_string(value)); }
-  const std::string& text() const { return text_; }
-
- private:
-  std::string text_;
-};
 
 inline std::string describe(const Plan& plan) {
   Facts facts;

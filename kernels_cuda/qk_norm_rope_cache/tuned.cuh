@@ -27,11 +27,8 @@ static_assert(kWarpLanes == kWarpSize && kVectorBytes == kVecBytes, "the policy 
 static_assert(v1::kWarpsPerBlock == kCopyWarpsPerBlock, "the policy describes rung 1's copy as it is");
 static_assert(sizeof(kVectorHeadDims) / sizeof(kVectorHeadDims[0]) == 3, "with_kernel lists every compiled head_dim");
 
-constexpr int kNumWeights = 2;  // q's and k's: block 0 warms each with one lane group
-
-// A table's element type: the activation dtype T or float32.
-template <typename T, TableDtype kDtype>
-using TableType = std::conditional_t<kDtype == TableDtype::kFloat32, float, T>;
+using qk_norm_rope::tuned::kNumWeights;  // q's and k's: block 0 warms each with one lane group
+using qk_norm_rope::tuned::TableType;    // a table's element type: the activation dtype T or float32
 
 template <typename T, Rounding kRounding, int kHeadDim, Layout kLayout, TableDtype kWeights, TableDtype kCosSin,
           CacheDtype kCache>
@@ -45,7 +42,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_ker
   constexpr int kUnits = Lanes::kUnitsPerLane;
   constexpr bool kHf = kRounding == Rounding::kHf;
   constexpr bool kNeox = kLayout == Layout::kNeox;
-  static_assert(kRowsPerBlock >= kNumWeights, "block 0 has a lane group per weight");
   const qk_norm_rope::Params& r = p.rope;
   const int lane = threadIdx.x % Lanes::kLanes;
   const int group = threadIdx.x / Lanes::kLanes;
@@ -59,28 +55,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_ker
   const bool is_k = kv_head >= 0 && !is_v;
   const LaneUnits<kUnits> u = lane_units<kUnits, kVecElems>(lane, Lanes::kLanes, is_v ? 0 : r.rope_dim, kNeox);
 
-  if (blockIdx.x == 0 && group < kNumWeights) {  // 0. while the previous kernel still runs
-    const WeightT* w = static_cast<const WeightT*>(group == 0 ? r.q_weight : r.k_weight);
-#pragma unroll
-    for (int s = 0; s < kUnits; ++s) {
-      warm_l2(w + u.col_a[s]);
-      warm_l2(w + u.col_b[s]);
-    }
-  }
-  if (active && head == 0) {
-    warm_l2(static_cast<const char*>(p.slot_mapping) + token * (p.slots_are_int64 ? 8 : 4));
-    const int64_t guess = (r.positions_are_int64 ? __ldcg(static_cast<const long long*>(r.positions) + token)
-                                                 : __ldcg(static_cast<const int*>(r.positions) + token));
-    if (guess >= 0 && guess < r.max_position) {
-      const CosSinT* cos_row = static_cast<const CosSinT*>(r.cos_sin_cache) + guess * r.rope_dim;
-#pragma unroll
-      for (int s = 0; s < kUnits; ++s) {
-        if (!u.rotates[s]) continue;
-        warm_l2(cos_row + u.unit[s] * kVecElems);
-        warm_l2(cos_row + r.rope_dim / 2 + u.unit[s] * kVecElems);
-      }
-    }
-  }
+  // 0. while the previous kernel still runs: qk_norm_rope's warming of the weights and of each
+  // token's cos/sin run (by the group of its first head, a q row), and that group warms the slot
+  qk_norm_rope::tuned::warm_call_tables<T, kHeadDim, WeightT, CosSinT>(r, active, static_cast<uint32_t>(token), head,
+                                                                      group, u);
+  if (active && head == 0) warm_l2(static_cast<const char*>(p.slot_mapping) + token * (p.slots_are_int64 ? 8 : 4));
   after_prior_grids();  // nothing is read before the previous kernel's writes are visible
 
   T* x = nullptr;  // 1. the row, and right behind it its tables and slot
