@@ -721,7 +721,7 @@ class QkNormRopeCache:
                  ("cache", "FP8 e4m3 (x / scale, saturated)" if p["cache"] == "CacheDtype::kFp8E4m3"
                   else "the activation dtype")]
         if p["path"] == "split":
-            return found + [("path", f"rung 1's split path (qk_norm_rope's tuned kernel, then the copy kernel): "
+            return found + [("path", f"the split path (qk_norm_rope's warp per row, then rung 1's copy kernel): "
                                      f"{QkNormRopeCache.OFF_VECTORS[p['off_vectors']]}")]
         return found + [("path", "one pass: q, k and v rows in one kernel, k and v into the caches from registers"),
                         ("lane group", f"{p['lanes_per_row']} lanes per row, {p['rows_per_block']} rows per block of "
@@ -735,7 +735,7 @@ class QkNormRopeCache:
     @staticmethod
     def summary(p: dict[str, str], a) -> list[str]:
         if p["path"] == "split":
-            return ["split (rung 1)", "-"]
+            return ["split", "-"]
         return ["one pass", p["waves"]]
 
 

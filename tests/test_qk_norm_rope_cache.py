@@ -511,7 +511,7 @@ def test_policy_one_pass(tmp_path_factory, line, grid, waves):
 def test_policy_splits_off_the_vectors(tmp_path_factory, line, why):
     (plan,) = _plans(tmp_path_factory, [line])
     assert plan["path"] == "split" and plan["off_vectors"] == why, plan
-    assert plan["kernel"].endswith("qk_norm_rope_cache_v1_copy_kernel") and int(plan["grid"]) == 64 * 2 // 8
+    assert plan["kernel"].endswith("copy::qk_norm_rope_cache_copy_kernel") and int(plan["grid"]) == 64 * 2 // 8
 
 
 def test_policy_kernel_names_its_template_arguments(tmp_path_factory):

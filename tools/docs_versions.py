@@ -347,7 +347,7 @@ def cache_extension_registers(op: str) -> dict[str, str]:
     for impl in registry.implementations(op, registry.COMPILED_LEVELS):
         stem = impl.extension.stem
         if impl.version == 1:
-            wanted = f"{op}_v1_copy_kernel<__nv_bfloat16, {CACHE_DTYPE_ARG}"
+            wanted = f"{op}_copy_kernel<__nv_bfloat16, {CACHE_DTYPE_ARG}"
         elif impl.level == "tuned":
             tuned = "(cookbook::qk_norm_rope::tuned::"  # its layout and table choices are qk_norm_rope's
             wanted = (f"{op}_tuned_kernel<__nv_bfloat16, (cookbook::Rounding)0, {HEAD_DIM}, {tuned}Layout)1, "

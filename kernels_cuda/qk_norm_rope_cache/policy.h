@@ -5,8 +5,8 @@
 //   * one pass: where q, k, v, the tables and both caches are whole 16-byte vectors on 16-byte
 //     boundaries, rope_dim is whole two-vector units and head_dim is compiled (64, 128, 256): the
 //     tuned kernel, one row per lane group over every q, k and v row, programmatic;
-//   * split: otherwise, rung 1's path (qk_norm_rope's tuned kernel, then the copy kernel), whose
-//     element-wise copy takes any alignment and head_dim.
+//   * split: otherwise, qk_norm_rope's rung 2 (a warp per row) on q and k, then rung 1's copy
+//     kernel (cache_copy.cuh): element-wise, any alignment and head_dim.
 // docs/qk_norm_rope_cache.md gives the measurements behind the choices.
 #pragma once
 
@@ -33,7 +33,7 @@ using qk_norm_rope::tuned::storage_type_name;
 using qk_norm_rope::tuned::TableDtype;
 using qk_norm_rope::tuned::vec_elems_of;
 
-constexpr int kCopyWarpsPerBlock = 8;  // rung 1's copy kernel (v1_rope_then_cache_copy.cuh keeps the same constant)
+constexpr int kCopyWarpsPerBlock = 8;  // the copy kernel's block (cache_copy.cuh keeps the same constant)
 
 // What the policy reads of a call.
 struct Call {
@@ -102,7 +102,7 @@ Plan plan(const Call& call, int sms, BlocksPerSm&& blocks_per_sm) {
                      : !is_vector_head_dim(call.head_dim)    ? OffVectors::kHeadDim
                                                              : OffVectors::kNone;
   if (plan.rows == 0) return plan;  // nothing to launch
-  if (plan.off_vectors != OffVectors::kNone) {  // rung 1's split path; the grid and block: its copy kernel's
+  if (plan.off_vectors != OffVectors::kNone) {  // the split path; the grid and block: its copy kernel's
     plan.kernel = {KernelName::kSplit, call.dtype, call.rounding, call.cache};
     plan.kernel.block = kCopyWarpsPerBlock * kWarpLanes;
     plan.block = plan.kernel.block;
@@ -140,10 +140,10 @@ inline const char* name_of(OffVectors why) {
 
 // The kernel's function name and its template arguments as nvcc's report prints them (enums as
 // their values), comma-separated: how `cookbook explain` finds its registers off a GPU. The split
-// path is named by its copy kernel (qk_norm_rope's tuned kernel before it has its own plan).
+// path is named by its copy kernel (qk_norm_rope's warp per row runs before it).
 inline std::string kernel_function(const Kernel& kernel) {
   return kernel.name == KernelName::kOnePass ? "cookbook::qk_norm_rope_cache::tuned::qk_norm_rope_cache_tuned_kernel"
-                                             : "cookbook::qk_norm_rope_cache::v1::qk_norm_rope_cache_v1_copy_kernel";
+                                             : "cookbook::qk_norm_rope_cache::copy::qk_norm_rope_cache_copy_kernel";
 }
 
 inline std::string template_values(const Kernel& kernel) {

@@ -8,7 +8,8 @@
 //   * a unit whose two vectors are neighbours in memory (a v row's, a k row's pass-through or
 //     interleaved units) stored into the cache as one store: an FP8 unit of a bf16 row is 16
 //     elements in one 16-byte store, where rung 3 makes two 8-byte ones.
-// Calls off the vector path take rung 1's split path (policy.h says which runs when).
+// Calls off the vector path take the split path: qk_norm_rope's warp per row, then rung 1's copy
+// kernel (cache_copy.cuh; policy.h says which runs when).
 //
 // grid.x: the plan's, ceil(rows / rows per block); lane group -> row (a two-vector unit per lane
 // slot: PairLanes in qk_norm_rope/rows.cuh), rows numbered q's heads, k's, v's of each token.
@@ -17,14 +18,15 @@
 #include <string>
 #include <type_traits>
 
+#include "qk_norm_rope/tuned.cuh"  // its table types, L2 warming and SM count (its kernels are not instantiated here)
 #include "qk_norm_rope_cache/policy.h"
 #include "qk_norm_rope_cache/rows.cuh"
-#include "qk_norm_rope_cache/v1_rope_then_cache_copy.cuh"  // the split path
+#include "qk_norm_rope_cache/cache_copy.cuh"  // the split path
 
 namespace cookbook::qk_norm_rope_cache::tuned {
 
 static_assert(kWarpLanes == kWarpSize && kVectorBytes == kVecBytes, "the policy reasons in the kernels' sizes");
-static_assert(v1::kWarpsPerBlock == kCopyWarpsPerBlock, "the policy describes rung 1's copy as it is");
+static_assert(copy::kWarpsPerBlock == kCopyWarpsPerBlock, "the policy describes the copy kernel as it is");
 static_assert(sizeof(kVectorHeadDims) / sizeof(kVectorHeadDims[0]) == 3, "with_kernel lists every compiled head_dim");
 
 using qk_norm_rope::tuned::kNumWeights;  // q's and k's: block 0 warms each with one lane group
@@ -206,7 +208,7 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
   using T = cookbook::Storage<kDType>;
   if (total_rows(p) == 0) return cudaSuccess;
   const Plan chosen = plan_of<kDType, kRounding>(p);
-  if (chosen.kernel.name == KernelName::kSplit) return v1::launch<kDType, kRounding>(p, stream);
+  if (chosen.kernel.name == KernelName::kSplit) return copy::launch_split<kDType, kRounding>(p, stream);
   with_kernel<T, kRounding>(chosen.kernel, [&]<auto kKernel>() {
     launch_kernel(chosen.programmatic, kKernel, dim3(static_cast<unsigned>(chosen.grid)), dim3(chosen.block),
                   static_cast<size_t>(chosen.shared_bytes), stream, p, chosen.rows);
@@ -225,7 +227,7 @@ std::string explain(const Params& p) {
   bool found = false;
   if (chosen.kernel.name == KernelName::kSplit) {
     with_cache_dtype(p, [&]<CacheDtype kCache>() {
-      found = cudaFuncGetAttributes(&attributes, v1::qk_norm_rope_cache_v1_copy_kernel<T, kCache>) == cudaSuccess;
+      found = cudaFuncGetAttributes(&attributes, copy::qk_norm_rope_cache_copy_kernel<T, kCache>) == cudaSuccess;
     });
   } else {
     with_kernel<T, kRounding>(chosen.kernel, [&]<auto kKernel>() {

@@ -6,11 +6,11 @@
 // qk_norm_rope; a k row is then stored twice from the same registers: back into k, and into the
 // k cache at the token's slot. A v row is read once and stored into the v cache. Every byte of k
 // and v crosses memory once each way; the tables are read after the sum, as qk_norm_rope's
-// rungs 4 and 5 read them. Calls off the vector path run v1's split path.
+// rungs 4 and 5 read them. Calls off the vector path run the split path (cache_copy.cuh).
 #pragma once
 
 #include "qk_norm_rope_cache/rows.cuh"
-#include "qk_norm_rope_cache/v1_rope_then_cache_copy.cuh"  // calls off the vector path
+#include "qk_norm_rope_cache/cache_copy.cuh"  // calls off the vector path
 
 namespace cookbook::qk_norm_rope_cache::v2 {
 
@@ -114,7 +114,7 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
       });
     });
   });
-  if (!on_vectors) return v1::launch<kDType, kRounding>(p, stream);
+  if (!on_vectors) return copy::launch_split<kDType, kRounding>(p, stream);
   return cudaGetLastError();
 }
 

@@ -12,7 +12,7 @@
 #pragma once
 
 #include "qk_norm_rope_cache/rows.cuh"
-#include "qk_norm_rope_cache/v1_rope_then_cache_copy.cuh"  // calls off the vector path
+#include "qk_norm_rope_cache/cache_copy.cuh"  // calls off the vector path
 
 namespace cookbook::qk_norm_rope_cache::v3 {
 
@@ -147,7 +147,7 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
       });
     });
   });
-  if (!on_vectors) return v1::launch<kDType, kRounding>(p, stream);
+  if (!on_vectors) return copy::launch_split<kDType, kRounding>(p, stream);
   return cudaGetLastError();
 }
 
