@@ -12,13 +12,14 @@
 #                    their JIT kernels compiled before any timing
 #       build        every qk_norm_rope_cache extension (the three rungs and the tuned kernel) in parallel
 #       tests        tests/test_gpu_qk_norm_rope_cache.py but its sanitizer test (every rung and the tuned
-#                    kernel at scale, FP8 bytes, the policy, graphs, compile, opcheck), and the CPU file
-#                    tests/test_qk_norm_rope_cache.py on the GPU
+#                    kernel at scale, FP8 bytes, the policy, graphs, compile, opcheck)
 #       sanitizer    its compute-sanitizer memcheck test
 #       bench        the benchmark of qk_norm_rope_cache with every peer, --results-dir docs/results ->
 #                    docs/results/qk_norm_rope_cache_<gpu>.{md,json,png}
 #       copy         the copy ceiling of every bench shape's bytes, every single-GPU op (cookbook.copy_by_shape) ->
 #                    docs/results/copy_by_shape_<gpu>.md
+#       props        tests/test_qk_norm_rope_cache.py on the GPU: its property tests draw GPU-sized shapes
+#                    (hypothesis' gpu profile) for every implementation
 #       builds       tools/build_times.py qk_norm_rope_cache: first auto call and the whole op from
 #                    empty caches -> docs/results/qk_norm_rope_cache_<gpu>_builds.{md,json}
 #       notebook     tools/run_notebook.py notebooks/06_qk_norm_rope_cache.py (writes the .ipynb)
@@ -27,7 +28,7 @@
 # env.txt, one log per stage (logs/), the bench's own output (bench/), and results.tgz: the pages
 # written under docs/results/ and the executed notebook. A failing stage does not stop the later ones.
 set -uo pipefail
-stages=${1:-peers,build,tests,sanitizer,bench,copy,builds,notebook}
+stages=${1:-peers,build,tests,sanitizer,bench,copy,props,builds,notebook}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$OUT" "$LOGS"
 BUDGET_S=${BUDGET_S:-580}
 WHEELS=${WHEELS:-.whl}
@@ -78,11 +79,13 @@ results = cuda.build([i.extension for i in registry.implementations('qk_norm_rop
 failed = {n: r for n, r in results.items() if isinstance(r, Exception)}
 for n, r in results.items(): print(n, r if n in failed else f'{r.seconds:.1f} s')
 raise SystemExit(1 if failed else 0)"
-stage tests 240 python3 -m pytest -q -p no:cacheprovider -W ignore::numba.core.errors.NumbaPerformanceWarning \
-  tests/test_gpu_qk_norm_rope_cache.py tests/test_qk_norm_rope_cache.py -k "not sanitizer"
+stage tests 300 python3 -m pytest -q -p no:cacheprovider -W ignore::numba.core.errors.NumbaPerformanceWarning \
+  tests/test_gpu_qk_norm_rope_cache.py -k "not sanitizer"
 stage sanitizer 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_qk_norm_rope_cache.py -k sanitizer
 stage bench 300 python3 -m cookbook bench --ops qk_norm_rope_cache --out "$OUT/bench" --results-dir docs/results
 stage copy 200 python3 -m cookbook.copy_by_shape --results-dir docs/results
+stage props 300 python3 -m pytest -q -p no:cacheprovider -W ignore::numba.core.errors.NumbaPerformanceWarning \
+  tests/test_qk_norm_rope_cache.py
 stage builds 150 python3 tools/build_times.py qk_norm_rope_cache
 stage notebook 150 python3 tools/run_notebook.py notebooks/06_qk_norm_rope_cache.py
 
