@@ -72,7 +72,8 @@ install_peers() {
   python3 -m cookbook.peers build --ops qk_norm_rope_cache
 }
 
-stage peers 200 install_peers
+export -f install_peers; export WHEELS  # `timeout` runs programs, not shell functions
+stage peers 200 bash -c install_peers
 stage build 150 python3 -c "
 from cookbook import cuda, registry
 results = cuda.build([i.extension for i in registry.implementations('qk_norm_rope_cache') if i.extension is not None])
