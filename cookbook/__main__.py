@@ -78,8 +78,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     tour.add_argument("--dtype", default=None, choices=DTYPES, help="only this dtype (default: float32 and bfloat16)")
     tour.add_argument("--nproc", type=int, default=None, help="gloo ranks of tp_qk_norm's tour (default: 2)")
     explain = commands.add_parser("explain", help="which kernel a call runs, and why (the tuned kernel's policy)")
-    explain.add_argument("op", help="the op (qk_norm, cross_head_norm, qk_norm_rope)")
-    explain.add_argument("--shape", required=True, help="the call's sizes, comma-separated: qk_norm T,HQ,HK,D; cross_head_norm T,QH,KH; qk_norm_rope T,HQ,HK,D,ROPE,NEOX (NEOX 1 or 0)")
+    explain.add_argument("op", help="the op (qk_norm, cross_head_norm, qk_norm_rope, qk_norm_rope_cache)")
+    explain.add_argument("--shape", required=True, help="the call's sizes, comma-separated: qk_norm T,HQ,HK,D; cross_head_norm T,QH,KH; qk_norm_rope T,HQ,HK,D,ROPE,NEOX (NEOX 1 or 0); qk_norm_rope_cache T,HQ,HK,D,FP8 (FP8 1 or 0)")
     explain.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     explain.add_argument("--weight-dtype", choices=DTYPES,
                          help="the weights' dtype (default: the activations')")
@@ -172,7 +172,7 @@ def explain_main(cli: argparse.ArgumentParser, args) -> int:
     try:
         shape = tuple(int(n) for n in args.shape.split(","))
     except ValueError:
-        cli.error(f"--shape: expected comma-separated integers (qk_norm: T,HQ,HK,D; cross_head_norm: T,QH,KH; qk_norm_rope: T,HQ,HK,D,ROPE,NEOX), got {args.shape!r}")
+        cli.error(f"--shape: expected comma-separated integers (qk_norm: T,HQ,HK,D; cross_head_norm: T,QH,KH; qk_norm_rope: T,HQ,HK,D,ROPE,NEOX; qk_norm_rope_cache: T,HQ,HK,D,FP8), got {args.shape!r}")
     try:
         answer = explainer.explain(args.op, shape=shape, dtype=getattr(torch, args.dtype), layout=args.layout,
                                    weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None,

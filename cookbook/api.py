@@ -19,6 +19,7 @@ from cookbook import registry
 from cookbook.ops import cross_head_norm as cross_head_norm_contract
 from cookbook.ops import qk_norm as qk_norm_contract
 from cookbook.ops import qk_norm_rope as qk_norm_rope_contract
+from cookbook.ops import qk_norm_rope_cache as qk_norm_rope_cache_contract
 from cookbook.ops import tp_qk_norm as tp_contract
 
 _BACKENDS_DOC = """backend: "auto" (default): on CUDA tensors the tuned CUDA C kernel, or, on a GPU
@@ -240,6 +241,84 @@ _qk_norm_rope_op = _as_op(
 
 
 # --------------------------------------------------------------------------------------------
+# qk_norm_rope_cache
+# --------------------------------------------------------------------------------------------
+def qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos_sin_cache, positions, k_cache, v_cache, slot_mapping,
+                       eps=1e-6, *, is_neox=True, rope_dim=None, k_scale=None, v_scale=None, weight_offset=0.0,
+                       rounding="fused", validate_slots=False, backend="auto"):
+    """`qk_norm_rope` of q and k in place, then k (as written) and v stored into a paged KV cache,
+    in one pass; returns ``(q, k)``.
+
+    Token t with ``s = slot_mapping[t]`` writes its k and v heads to ``k_cache[s // block_size,
+    s % block_size]`` and ``v_cache[...]``; ``s = -1`` skips the token. An FP8 cache stores
+    ``x / scale`` saturated to +-448, rounded to e4m3 (vLLM's FP8 cache).
+
+    Args:
+        q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, rounding, is_neox,
+            rope_dim: as in `qk_norm_rope`; q and k are both written back in place.
+        v: ``[tokens..., num_kv_heads, head_dim]``, k's shape, dtype and device (read only); q, k
+            and v may be views of one fused qkv tensor.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, last dim
+            contiguous, one shape; dtype q's or ``torch.float8_e4m3fn``.
+        slot_mapping: ``[tokens]`` int32 or int64: each token's cache slot, or -1.
+        k_scale, v_scale: with an FP8 cache, float32 tensors of one element (the per-tensor
+            scales, read on the device); otherwise None.
+        validate_slots: check on the host first that every slot is -1 or in range and no slot
+            repeats (a device sync). Without it an out-of-range slot writes nothing.
+        {backends}
+
+    Returns:
+        ``(q, k)``, normalized and rotated in place; the caches written. Bad arguments raise
+        ValueError or TypeError naming the argument before anything is written.
+
+    The contract: `cookbook.ops.qk_norm_rope_cache`.
+
+    Examples:
+        On a CPU (``backend="auto"`` is the PyTorch reference there):
+
+        >>> import torch, cookbook
+        >>> q, k, v = torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+        >>> angles = torch.arange(16.0)[:, None] * 10000.0 ** (-torch.arange(0, 64, 2) / 64)
+        >>> cos_sin_cache = torch.cat([angles.cos(), angles.sin()], dim=-1)  # [16 positions, 64]
+        >>> k_cache, v_cache = torch.zeros(2, 4, 2, 64), torch.zeros(2, 4, 2, 64)  # 2 blocks of 4 slots
+        >>> w = torch.ones(64)
+        >>> _ = cookbook.qk_norm_rope_cache(q, k, v, w, w, cos_sin_cache, torch.tensor([0, 1, 2]), k_cache,
+        ...                                 v_cache, torch.tensor([5, -1, 0]))
+        >>> torch.equal(k_cache[1, 1], k[0]), torch.equal(v_cache[0, 0], v[2])  # slot 5: block 1, row 1
+        (True, True)
+    """
+    C.require_choice("backend", backend, C.BACKENDS)
+    rope = qk_norm_rope_contract.Rope(is_neox, rope_dim, 0)
+    if validate_slots and torch.compiler.is_compiling():
+        raise RuntimeError("validate_slots=True reads slot_mapping on the host (a sync): not under torch.compile")
+    a = qk_norm_rope_cache_contract.check_inputs(q, k, v, q_weight, k_weight, cos_sin_cache, positions, k_cache,
+                                                 v_cache, slot_mapping, eps, weight_offset, rounding, rope, k_scale,
+                                                 v_scale, validate_slots)
+    if a.q.shape[0] == 0:
+        return q, k
+    run = _qk_norm_rope_cache_op if torch.compiler.is_compiling() else _run_qk_norm_rope_cache
+    run(a.q, a.k, a.v, a.q_weight, a.k_weight, a.cos_sin_cache, a.positions, a.k_cache, a.v_cache, a.slot_mapping,
+        a.k_scale, a.v_scale, a.eps, a.weight_offset, a.rounding, a.is_neox, a.rope_dim, backend)
+    return q, k
+
+
+def _run_qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                            k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, eps: float,
+                            weight_offset: float, rounding: str, is_neox: bool, rope_dim: int, backend: str) -> None:
+    registry.resolve("qk_norm_rope_cache", backend, q.device).fn(
+        q, k, v, q_weight, k_weight, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, k_scale, v_scale, eps,
+        weight_offset, rounding, is_neox, rope_dim)
+
+
+_qk_norm_rope_cache_op = _as_op(
+    "qk_norm_rope_cache_dispatch", _run_qk_norm_rope_cache,
+    lambda *args: qk_norm_rope_cache_contract.check_in_place(*args[:12]),
+    mutates=("q", "k", "k_cache", "v_cache"))
+
+
+# --------------------------------------------------------------------------------------------
 # tp_qk_norm: a collective
 # --------------------------------------------------------------------------------------------
 def tp_qk_norm(q_shard, k_shard, q_weight_shard, k_weight_shard, eps=1e-6, *, group=None, weight_offset=0.0,
@@ -442,5 +521,5 @@ def raise_pending_errors(group=None) -> None:
 
 virtual_tp = tp_contract.virtual_tp
 
-for _op in (qk_norm, cross_head_norm, qk_norm_rope, tp_qk_norm):
+for _op in (qk_norm, cross_head_norm, qk_norm_rope, qk_norm_rope_cache, tp_qk_norm):
     _op.__doc__ = _op.__doc__.replace("{backends}", _BACKENDS_DOC)

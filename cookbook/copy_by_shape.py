@@ -22,7 +22,7 @@ import math
 import sys
 from pathlib import Path
 
-OPS = ("qk_norm", "qk_norm_rope", "cross_head_norm")
+OPS = ("qk_norm", "qk_norm_rope", "cross_head_norm", "qk_norm_rope_cache")
 BLOCK_BYTES = 64 * 1024  # cudaMemcpy D2D runs at full speed on whole blocks of this size (measured)
 
 

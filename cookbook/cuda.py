@@ -1,6 +1,6 @@
 """Builds and loads the CUDA C kernels in `kernels_cuda/`, lazily, in parallel, cached.
 
-Nothing is built at import. An op in the ladder layout (qk_norm, cross_head_norm, qk_norm_rope) builds one extension
+Nothing is built at import. An op in the ladder layout (qk_norm, cross_head_norm, qk_norm_rope, qk_norm_rope_cache) builds one extension
 per kernel file (`kernels_cuda.Extension`): each rung, and the tuned kernel, is its own small library,
 registering `torch.ops.cookbook.<op>_<stem>`, built from a host binding unit and one nvcc unit per
 dtype and rounding, which ninja compiles in parallel. The first `backend="auto"` call builds only
@@ -328,6 +328,12 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight
                  position_offset, *, extension: Extension):
     load_extension(extension)(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, weight_offset, is_neox, rope_dim,
                               position_offset, rounding == "hf")
+
+
+def qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, k_scale,
+                       v_scale, eps, weight_offset, rounding, is_neox, rope_dim, *, extension: Extension):
+    load_extension(extension)(q, k, v, q_weight, k_weight, cos_sin_cache, positions, k_cache, v_cache, slot_mapping,
+                              k_scale, v_scale, eps, weight_offset, is_neox, rope_dim, rounding == "hf")
 
 
 def tp_qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, group, *, version):

@@ -624,6 +624,121 @@ class QkNormRope:
         return [p["walk"].removeprefix("Walk::k"), f"{int(p['needed_blocks']):,}"]
 
 
+class QkNormRopeCache:
+    op = "qk_norm_rope_cache"
+    shape_names = ("T", "HQ", "HK", "D", "FP8")  # FP8: 1 an FP8 cache, 0 one in the activation dtype
+
+    @staticmethod
+    def inputs(shape, dtype, layout, device, weight_dtype=None) -> dict:
+        from cookbook.ops.qk_norm_rope import Rope
+        from cookbook.ops.qk_norm_rope_cache import BENCH_BLOCK_SIZE, FP8
+
+        t, hq, hk, d, fp8 = shape
+        weight_dtype = weight_dtype or dtype
+        if layout == "fused_qkv":
+            qkv = torch.empty(t, (hq + 2 * hk) * d, dtype=dtype, device=device)
+            q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+            v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+        else:
+            q, k, v = (torch.empty(t, h, d, dtype=dtype, device=device) for h in (hq, hk, hk))
+        w = torch.empty(d, dtype=weight_dtype, device=device)
+        blocks = max(t, 1) // BENCH_BLOCK_SIZE + 1
+        cache_dtype = FP8 if fp8 else dtype
+        caches = [torch.empty(blocks, BENCH_BLOCK_SIZE, hk, d, dtype=cache_dtype, device=device) for _ in range(2)]
+        scales = dict(k_scale=torch.empty(1, device=device), v_scale=torch.empty(1, device=device)) if fp8 else {}
+        return dict(q=q, k=k, v=v, q_weight=w, k_weight=w.clone(),
+                    cos_sin_cache=torch.empty(max(t, 1), d, dtype=torch.float32, device=device),
+                    positions=torch.empty(t, dtype=torch.int64, device=device), k_cache=caches[0], v_cache=caches[1],
+                    slot_mapping=torch.empty(t, dtype=torch.int64, device=device), rope=Rope(), **scales)
+
+    @staticmethod
+    def check(q, k, v, q_weight, k_weight, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, eps=1e-6,
+              weight_offset=0.0, rounding="fused", rope=None, is_neox=True, rope_dim=None, k_scale=None, v_scale=None):
+        from cookbook.ops import qk_norm_rope_cache as contract
+
+        rope = rope or contract.Rope(is_neox=is_neox, rope_dim=rope_dim)
+        return contract.check_inputs(q, k, v, q_weight, k_weight, cos_sin_cache, positions, k_cache, v_cache,
+                                     slot_mapping, eps, weight_offset, rounding, rope, k_scale, v_scale)
+
+    @staticmethod
+    def _rows_are_vectors(a) -> bool:
+        elems = 16 // a.q.element_size()
+        strides = (a.q.stride(0), a.q.stride(1), a.k.stride(0), a.k.stride(1), a.v.stride(0), a.v.stride(1))
+        return _aligned(a.q) and _aligned(a.k) and _aligned(a.v) and all(s % elems == 0 for s in strides)
+
+    @staticmethod
+    def _caches_are_vectors(a) -> bool:
+        unit = 2 * 16 // a.q.element_size()  # two vectors of the row, in cache elements
+        return all(_aligned(c) and all(s % unit == 0 for s in c.stride()[:3]) for c in (a.k_cache, a.v_cache))
+
+    @staticmethod
+    def describe_call(a, layout: str | None) -> tuple[str, str]:
+        call, _ = QkNormRope.describe_call(a, layout)
+        nb, bs = a.k_cache.shape[:2]
+        cache = f"caches {nb} blocks x {bs} slots, {str(a.k_cache.dtype).removeprefix('torch.')}"
+        where = {"fused_qkv": "q, k and v: views of one fused qkv tensor", "separate": "q, k and v: tensors of their own",
+                 None: "q, k and v"}[layout]
+        yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+        return f"{call}; {cache}", (f"{where} (token strides {a.q.stride(0)}, {a.k.stride(0)}, {a.v.stride(0)}); rows "
+                                    f"16-byte aligned: {yes(QkNormRopeCache._rows_are_vectors(a))}; tables: "
+                                    f"{yes(QkNormRope._tables_are_vectors(a))}; caches in whole units: "
+                                    f"{yes(QkNormRopeCache._caches_are_vectors(a))}")
+
+    @staticmethod
+    def call_lines(a) -> list[str]:
+        from cookbook.ops.qk_norm_rope_cache import FP8
+
+        flag = lambda value: "true" if value else "false"  # noqa: E731
+        t, hq, d = a.q.shape
+        return [f"dtype={_DTYPE_CODE[a.q.dtype]}", f"rounding={_ROUNDING_CODE[a.rounding]}", f"num_tokens={t}",
+                f"num_q_heads={hq}", f"num_kv_heads={a.k.shape[1]}", f"head_dim={d}", f"rope_dim={a.rope_dim}",
+                f"layout={int(a.is_neox)}", f"weights={int(a.q_weight.dtype == torch.float32)}",
+                f"cos_sin={int(a.cos_sin_cache.dtype == torch.float32)}", f"cache={int(a.k_cache.dtype == FP8)}",
+                f"rows_are_vectors={flag(QkNormRopeCache._rows_are_vectors(a))}",
+                f"tables_are_vectors={flag(QkNormRope._tables_are_vectors(a))}",
+                f"caches_are_vectors={flag(QkNormRopeCache._caches_are_vectors(a))}"]
+
+    @staticmethod
+    def ask_gpu(a) -> dict[str, str]:
+        from cookbook import cuda, registry
+
+        cuda.load_extension(registry.get("qk_norm_rope_cache", "cuda_tuned").extension)
+        return parse_plan(torch.ops.cookbook.qk_norm_rope_cache_tuned_explain(
+            a.q, a.k, a.v, a.q_weight, a.k_weight, a.cos_sin_cache, a.positions, a.k_cache, a.v_cache, a.slot_mapping,
+            a.k_scale, a.v_scale, a.eps, a.weight_offset, a.is_neox, a.rope_dim, a.rounding == "hf"))
+
+    OFF_VECTORS = {**QkNormRope.OFF_VECTORS,
+                   "rows_unaligned": "a row of q, k or v does not start on a 16-byte boundary",
+                   "caches_unaligned": "a cache does not start on a 16-byte boundary or its strides are not whole "
+                                       "two-vector units"}
+
+    @staticmethod
+    def policy(p: dict[str, str], a) -> list[tuple[str, str]]:
+        rows = int(p["rows"])
+        heads = a.q.shape[1] + 2 * a.k.shape[1]
+        tokens = rows // heads
+        found = [("rows", f"{rows:,} rows ({tokens:,} token{'s' if tokens != 1 else ''} x {heads} q, k and v heads)"),
+                 ("cache", "FP8 e4m3 (x / scale, saturated)" if p["cache"] == "CacheDtype::kFp8E4m3"
+                  else "the activation dtype")]
+        if p["path"] == "split":
+            return found + [("path", f"the split path (qk_norm_rope's warp per row, then rung 1's copy kernel): "
+                                     f"{QkNormRopeCache.OFF_VECTORS[p['off_vectors']]}")]
+        return found + [("path", "one pass: q, k and v rows in one kernel, k and v into the caches from registers"),
+                        ("lane group", f"{p['lanes_per_row']} lanes per row, {p['rows_per_block']} rows per block of "
+                                       f"{p['block']} threads"),
+                        ("grid", f"{int(p['grid']):,} blocks, a row per lane group: {p['waves']} wave(s) of "
+                                 f"{p['sms']} SMs x {p['blocks_per_sm']} blocks")]
+
+    # The generated "which kernel runs" table of docs/qk_norm_rope_cache.md: its policy columns.
+    SUMMARY = ("path", "waves")
+
+    @staticmethod
+    def summary(p: dict[str, str], a) -> list[str]:
+        if p["path"] == "split":
+            return ["split", "-"]
+        return ["one pass", p["waves"]]
+
+
 def lane_count(a, min_vecs: int) -> int:
     """The lanes of a lane group of `a`'s head_dim holding at least `min_vecs` vectors each
     (lanes.h's lane_shape)."""
@@ -632,7 +747,8 @@ def lane_count(a, min_vecs: int) -> int:
     return max(1, min(32, wanted))
 
 
-EXPLAINERS = {"qk_norm": QkNorm, "cross_head_norm": CrossHeadNorm, "qk_norm_rope": QkNormRope}
+EXPLAINERS = {"qk_norm": QkNorm, "cross_head_norm": CrossHeadNorm, "qk_norm_rope": QkNormRope,
+              "qk_norm_rope_cache": QkNormRopeCache}
 
 
 def explainable() -> list[str]:

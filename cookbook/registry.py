@@ -88,9 +88,10 @@ class Impl:
             return cuda.unavailable()
         if self.level == "peer" and self.name == "torch_compile":
             return None
-        if self.package is not None:  # the peer's import guard (cookbook.peers.adapter.peer)
-            module, attr = self.target.split(":")
-            return getattr(importlib.import_module(module), attr).unavailable()
+        module, attr = self.target.split(":")
+        factory = getattr(importlib.import_module(module), attr)
+        if hasattr(factory, "unavailable"):  # the peer's import guard (cookbook.peers.adapter.peer)
+            return factory.unavailable()
         return "unknown"
 
 
@@ -217,6 +218,28 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _peer("qk_norm_rope", "liger_rms_norm_rope", "liger-kernel", "liger_triton:rms_norm_then_rope",
               "Liger-Kernel's Triton rms_norm on q and k, then rope on the new tensors: three launches"),
     ],
+    "qk_norm_rope_cache": [
+        _ref("qk_norm_rope_cache", "cookbook.ops.qk_norm_rope_cache:reference"),
+        Impl("qk_norm_rope_cache", "numba_v1", "numba", 1, "kernels_numba.qk_norm_rope_cache:qk_norm_rope_cache",
+             "qk_norm_rope's last Numba kernel in place, then a copy kernel: a warp per (token, kv head) stores k and v at the slot"),
+        _rung("qk_norm_rope_cache", 1, "v1_rope_then_cache_copy.cuh",
+              "the split path: qk_norm_rope's tuned kernel writes q and k, a copy kernel reads k and v back into the cache slots: two launches"),
+        _rung("qk_norm_rope_cache", 2, "v2_one_pass.cuh",
+              "one kernel, a lane group per q, k or v row, k stored twice from registers - removes v1's second launch and re-read"),
+        _rung("qk_norm_rope_cache", 3, "v3_programmatic_warm_tables.cuh",
+              "a programmatic launch, tables and slots warmed into L2 during its wait, read with the row - removes the launch gap and decode's table round trips"),
+        _tuned("qk_norm_rope_cache",
+               "v3's kernel with streaming accesses and v rows stored as whole 16-element units; calls off the vector path split, chosen by one named policy"),
+        Impl("qk_norm_rope_cache", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_rope_cache_compiled",
+             "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
+        Impl("qk_norm_rope_cache", "ours_then_index_copy", "peer", 0, "cookbook.peers.cache_write:ours_then_index_copy",
+             "the split path: our qk_norm_rope tuned kernel, then torch index_copy_ of k and v into the caches"),
+        _peer("qk_norm_rope_cache", "ours_then_flashinfer_append", "flashinfer-python",
+              "cache_write:ours_then_flashinfer_append",
+              "the split path: our qk_norm_rope tuned kernel, then FlashInfer's append_paged_kv_cache"),
+        _peer("qk_norm_rope_cache", "sglang_qknorm_rope_then_store", "sglang", "cache_write:sglang_qknorm_rope_then_store",
+              "the split path: SGLang's JIT fused_inplace_qknorm_rope, then its JIT store_cache"),
+    ],
     # A collective: every implementation also takes the process group (its last argument).
     "tp_qk_norm": [
         Impl("tp_qk_norm", "reference", "reference", 0, "cookbook.ops.tp_qk_norm:reference",
@@ -245,7 +268,7 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
 }
 
 # The op name -> its contract module.
-CONTRACTS = {"qk_norm_rope": "cookbook.ops.qk_norm_rope", "qk_norm": "cookbook.ops.qk_norm",
+CONTRACTS = {"qk_norm_rope": "cookbook.ops.qk_norm_rope", "qk_norm_rope_cache": "cookbook.ops.qk_norm_rope_cache", "qk_norm": "cookbook.ops.qk_norm",
              "cross_head_norm": "cookbook.ops.cross_head_norm", "tp_qk_norm": "cookbook.ops.tp_qk_norm"}
 
 # Ops whose every call is a collective over a process group: the single-process benchmark and

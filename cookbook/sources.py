@@ -30,13 +30,17 @@ def _included(kernel_dir: Path, roots: list[str]) -> list[Path]:
     return [seen[key] for key in sorted(seen)]
 
 
+# Ops whose Numba kernels and contract build on another op's: those files are their sources too.
+BUILT_ON = {"qk_norm_rope_cache": ("kernels_numba/qk_norm_rope.py", "cookbook/ops/qk_norm_rope.py")}
+
+
 def files(op: str) -> list[Path]:
     """The source files of `op` (relative to the checkout), sorted."""
     kernel_dir = ROOT / "kernels_cuda"
     roots = [p.relative_to(kernel_dir).as_posix() for p in sorted((kernel_dir / op).glob("*")) if p.is_file()]
     roots += [f"{op}.cuh", f"bindings/{op}.cu"]  # the older layout: every version in one header
     found = _included(kernel_dir, roots)
-    for extra in (f"kernels_numba/{op}.py", "kernels_numba/helpers.py", f"cookbook/ops/{op}.py"):
+    for extra in (f"kernels_numba/{op}.py", "kernels_numba/helpers.py", f"cookbook/ops/{op}.py", *BUILT_ON.get(op, ())):
         if (ROOT / extra).is_file():
             found.append(ROOT / extra)
     return sorted({p.relative_to(ROOT) for p in found})

@@ -42,7 +42,7 @@ class Tolerance:
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Size of one unit in the last place of `dtype` at each value of float64 `x`."""
     info = torch.finfo(dtype)
-    mantissa = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}[dtype]
+    mantissa = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7, torch.float8_e4m3fn: 3}[dtype]
     min_exp = int(math.log2(info.tiny))
     # frexp: |x| = m * 2^e with m in [0.5, 1), so floor(log2 |x|) = e - 1 exactly, on any device
     # (a log2 may round a value just below a power of two up to it).

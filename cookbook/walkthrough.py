@@ -177,7 +177,7 @@ def check(impl, op: str, shape, case: dict, device, seed: int = AGREEMENT_SEED) 
     want = contract.expected(untouched, EPS, weight_offset, rounding)
     args = contract.check_inputs(**inputs, eps=EPS, weight_offset=weight_offset, rounding=rounding)
     impl.fn(*bench.positional(args))
-    results = [agreement(f"{impl.name}:{name}", inputs[name], exact, hf, rounding, contract.TOLERANCES[dtype])
+    results = [agreement(f"{impl.name}:{name}", inputs[name], exact, hf, rounding, contract.TOLERANCES[inputs[name].dtype])
                for name, (exact, hf) in want.items()]  # fmt: skip
     failed = [r.message for r in results if not r.ok]
     return Agreement(not failed, "; ".join(failed) or "ok", max(r.max_ulp for r in results))

@@ -22,7 +22,7 @@ PATH_WORDS = 10_000
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # The op each walkthrough teaches (its page is docs/<op>.md).
 LESSONS = {"qk_norm": "01_qk_norm", "cross_head_norm": "02_cross_head_norm", "tp_qk_norm": "03_tp_qk_norm",
-           "qk_norm_rope": "04_qk_norm_rope"}
+           "qk_norm_rope": "04_qk_norm_rope", "qk_norm_rope_cache": "06_qk_norm_rope_cache"}
 PROVENANCE = re.compile(r"ran at commit (\S+) on (\S+); sources: ((?:\w+ [0-9a-f]{12}(?:, )?)+)")
 PAGE_LINK = re.compile(r"docs/results/([\w.-]+)\.md")
 

@@ -37,7 +37,9 @@ import torch, cookbook
 from cookbook import cuda, registry
 x = registry.contract({op!r}).bench_case(registry.contract({op!r}).BENCH_SHAPES[0], torch.bfloat16, "cuda")[0]
 rope = x.pop("rope", None)  # qk_norm_rope's rotary settings, as the public function takes them
-settings = {{}} if rope is None else dict(is_neox=rope.is_neox, rope_dim=rope.rope_dim, position_offset=rope.position_offset)
+settings = {{}} if rope is None else dict(is_neox=rope.is_neox, rope_dim=rope.rope_dim)
+if rope is not None and rope.position_offset:  # (qk_norm_rope_cache takes none)
+    settings["position_offset"] = rope.position_offset
 getattr(cookbook, {op!r})(**x, **settings, backend="auto")
 torch.cuda.synchronize()
 print(json.dumps({{"seconds": time.perf_counter() - start,

@@ -36,6 +36,9 @@ HEADLINE_SHAPES = {"qk_norm": ["T=1 Hq=64 Hk=8 D=128", "T=1024 Hq=64 Hk=8 D=128"
                                "T=8192 Hq=8 Hk=1 D=128"],
                    "qk_norm_rope": ["T=1 Hq=32 Hk=8 D=128 rope=128 neox", "T=64 Hq=32 Hk=8 D=128 rope=128 neox",
                                     "T=4096 Hq=24 Hk=24 D=128 rope=128 neox", "T=8192 Hq=64 Hk=8 D=128 rope=128 neox"],
+                   "qk_norm_rope_cache": ["T=1 Hq=32 Hk=8 D=128 cache=bfloat16", "T=256 Hq=32 Hk=8 D=128 cache=bfloat16",
+                                          "T=8192 Hq=32 Hk=8 D=128 cache=bfloat16", "T=1 Hq=32 Hk=8 D=128 cache=fp8",
+                                          "T=8192 Hq=32 Hk=8 D=128 cache=fp8"],
                    "cross_head_norm": ["T=1 q_hidden=8192 k_hidden=8192", "T=1024 q_hidden=4096 k_hidden=4096",
                                        "T=2048 q_hidden=8192 k_hidden=8192", "T=16384 q_hidden=768 k_hidden=128"]}
 # Ops whose kernels' integer template argument is 16-byte vectors per thread, not head_dim.
@@ -331,8 +334,51 @@ def rope_ladder_bytes(op: str) -> tuple[str, dict[str, str], str]:
     return "MB moved", moved, f"MB moved: at {label}, the contract's bytes model, the split path's float32 rows on top"
 
 
-EXTENSION_REGISTERS = {"qk_norm_rope": rope_extension_registers}
-LADDER_BYTES = {"qk_norm_rope": rope_ladder_bytes}
+# ---- qk_norm_rope_cache's ladder: registers per cache dtype, and the bytes each rung moves ----------
+CACHE_BYTES_SHAPE = (8192, 32, 8, 128, 0)  # Qwen3-8B prefill, bf16 cache: the ladder's bytes column
+CACHE_DTYPE_ARG = "(cookbook::qk_norm_rope_cache::CacheDtype)"  # how the demangler writes the enum argument
+
+
+def cache_extension_registers(op: str) -> dict[str, str]:
+    """{implementation: registers of its bf16 fused-rounding kernels at the benchmark's call, for a
+    bf16 / an FP8 cache}: rung 1's copy kernel (after qk_norm_rope's tuned kernel); from rung 2 on
+    the one-pass kernel at head_dim 128, NeoX, bf16 weights, a float32 cos/sin table."""
+    found = {}
+    for impl in registry.implementations(op, registry.COMPILED_LEVELS):
+        stem = impl.extension.stem
+        if impl.version == 1:
+            wanted = f"{op}_copy_kernel<__nv_bfloat16, {CACHE_DTYPE_ARG}"
+        elif impl.level == "tuned":
+            tuned = "(cookbook::qk_norm_rope::tuned::"  # its layout and table choices are qk_norm_rope's
+            wanted = (f"{op}_tuned_kernel<__nv_bfloat16, (cookbook::Rounding)0, {HEAD_DIM}, {tuned}Layout)1, "
+                      f"{tuned}TableDtype)0, {tuned}TableDtype)1, {CACHE_DTYPE_ARG}")
+        else:
+            wanted = f"{op}_{stem}_kernel<__nv_bfloat16, (cookbook::Rounding)0, {HEAD_DIM}, true, __nv_bfloat16, float, {CACHE_DTYPE_ARG}"
+        regs = {k.kernel.split(wanted)[1][0]: k.registers for k in nvcc_report.compile_extension(impl.extension.name)
+                if wanted in k.kernel}
+        found[impl.name] = f"{regs.get('0', '-')}/{regs.get('1', '-')}" + (" (copy kernel)" if impl.version == 1 else "")
+    return found
+
+
+def cache_ladder_bytes(op: str) -> tuple[str, dict[str, str], str]:
+    """(column header, {implementation: MB}, note): the bytes each rung moves at Qwen3-8B's prefill,
+    from the contract's model; the split path reads k again on top."""
+    import torch
+
+    contract = registry.contract(op)
+    inputs, label = contract.bench_case(CACHE_BYTES_SHAPE, torch.bfloat16, "meta")
+    a = contract.check_inputs(**inputs, eps=1e-6, weight_offset=0.0, rounding="fused")
+    fused = contract.bytes_moved(a.q, a.k, a.v, a.q_weight, a.k_weight, a.cos_sin_cache, a.positions, a.k_cache,
+                                 a.slot_mapping)
+    split = fused + contract.split_extra_bytes(a.k)
+    moved = {impl.name: f"{(split if impl.version == 1 else fused) / 1e6:.0f}"
+             for impl in registry.implementations(op, registry.COMPILED_LEVELS)}
+    return "MB moved", moved, (f"MB moved: at {label}, the contract's bytes model, the split path's second read of k on "
+                               f"top; registers: bf16 cache / FP8 cache")
+
+
+EXTENSION_REGISTERS = {"qk_norm_rope": rope_extension_registers, "qk_norm_rope_cache": cache_extension_registers}
+LADDER_BYTES = {"qk_norm_rope": rope_ladder_bytes, "qk_norm_rope_cache": cache_ladder_bytes}
 
 
 def results_table(op: str, tag: str | None = None) -> str:

@@ -37,6 +37,21 @@ def qk_norm_rope_compiled():
     return torch.compile(reference, fullgraph=True, dynamic=False)
 
 
+def qk_norm_rope_cache_compiled():
+    """torch.compile(fullgraph=True) of the qk_norm_rope_cache reference (in place, like ours)."""
+    from cookbook.ops.qk_norm_rope_cache import reference
+
+    compiled = torch.compile(reference, fullgraph=True, dynamic=False)
+
+    def run(*args):
+        # The reference finds the tokens that write with nonzero(): a data-dependent shape, which
+        # fullgraph compiles only with this flag (and which a CUDA graph cannot capture).
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            return compiled(*args)
+
+    return run
+
+
 def tp_qk_norm_all_gather():
     """The all-gather baseline of tp_qk_norm: gather the shards, normalize, keep this rank's columns."""
     from cookbook.ops.tp_qk_norm import all_gather_norm

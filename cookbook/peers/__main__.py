@@ -19,7 +19,7 @@ import torch
 from cookbook import registry
 from cookbook.bench.common import checked, positional, resolve_dtype
 
-OPS = ("qk_norm", "cross_head_norm", "qk_norm_rope")
+OPS = ("qk_norm", "cross_head_norm", "qk_norm_rope", "qk_norm_rope_cache")
 
 
 def external_peers(ops) -> list:

@@ -1,0 +1,241 @@
+// tuned: v3's kernel with streaming accesses and v rows stored as whole 16-element units; calls off the vector path split, chosen by one named policy
+//
+// What `backend="cuda"` and `"auto"` run. Rung 3's kernel (programmatic launch, the tables, slot
+// and position warmed into L2 during the wait and read with the row), with what the ladder leaves
+// out because it teaches no new idea but every call gains from it:
+//   * q, k and v read and written, and the caches written, with the evict-first policy
+//     (load/store_vec_streaming, __stcs): each of those bytes is touched once by this kernel;
+//   * a unit whose two vectors are neighbours in memory (a v row's, a k row's pass-through or
+//     interleaved units) stored into the cache as one store: an FP8 unit of a bf16 row is 16
+//     elements in one 16-byte store, where rung 3 makes two 8-byte ones.
+// Calls off the vector path take the split path: qk_norm_rope's warp per row, then rung 1's copy
+// kernel (cache_copy.cuh; policy.h says which runs when).
+//
+// grid.x: the plan's, ceil(rows / rows per block); lane group -> row (a two-vector unit per lane
+// slot: PairLanes in qk_norm_rope/rows.cuh), rows numbered q's heads, k's, v's of each token.
+#pragma once
+
+#include <string>
+#include <type_traits>
+
+#include "qk_norm_rope/tuned.cuh"  // its table types, L2 warming and SM count (its kernels are not instantiated here)
+#include "qk_norm_rope_cache/policy.h"
+#include "qk_norm_rope_cache/rows.cuh"
+#include "qk_norm_rope_cache/cache_copy.cuh"  // the split path
+
+namespace cookbook::qk_norm_rope_cache::tuned {
+
+static_assert(kWarpLanes == kWarpSize && kVectorBytes == kVecBytes, "the policy reasons in the kernels' sizes");
+static_assert(copy::kWarpsPerBlock == kCopyWarpsPerBlock, "the policy describes the copy kernel as it is");
+static_assert(sizeof(kVectorHeadDims) / sizeof(kVectorHeadDims[0]) == 3, "with_kernel lists every compiled head_dim");
+
+using qk_norm_rope::tuned::kNumWeights;  // q's and k's: block 0 warms each with one lane group
+using qk_norm_rope::tuned::TableType;    // a table's element type: the activation dtype T or float32
+
+template <typename T, Rounding kRounding, int kHeadDim, Layout kLayout, TableDtype kWeights, TableDtype kCosSin,
+          CacheDtype kCache>
+__global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_kernel(Params p, int64_t rows) {
+  using Lanes = PairLanes<T, kHeadDim>;
+  using C = CacheElem<T, kCache>;
+  using WeightT = TableType<T, kWeights>;
+  using CosSinT = TableType<T, kCosSin>;
+  constexpr int kRowsPerBlock = kThreadsPerBlock / Lanes::kLanes;
+  constexpr int kVecElems = Lanes::kVecElems;
+  constexpr int kUnits = Lanes::kUnitsPerLane;
+  constexpr bool kHf = kRounding == Rounding::kHf;
+  constexpr bool kNeox = kLayout == Layout::kNeox;
+  const qk_norm_rope::Params& r = p.rope;
+  const int lane = threadIdx.x % Lanes::kLanes;
+  const int group = threadIdx.x / Lanes::kLanes;
+  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + group;
+  const bool active = row < rows;  // a group past the last row still joins its shuffles, on zeros
+  const int heads = r.num_q_heads + 2 * r.num_kv_heads;  // q's, k's and v's
+  const int64_t token = active ? row / heads : 0;
+  const int head = active ? static_cast<int>(row % heads) : 0;
+  const int kv_head = head - r.num_q_heads;  // k's head (< Hk), then v's (>= Hk)
+  const bool is_v = kv_head >= r.num_kv_heads;
+  const bool is_k = kv_head >= 0 && !is_v;
+  const LaneUnits<kUnits> u = lane_units<kUnits, kVecElems>(lane, Lanes::kLanes, is_v ? 0 : r.rope_dim, kNeox);
+
+  // 0. while the previous kernel still runs: qk_norm_rope's warming of the weights and of each
+  // token's cos/sin run (by the group of its first head, a q row), and that group warms the slot
+  qk_norm_rope::tuned::warm_call_tables<T, kHeadDim, WeightT, CosSinT>(r, active, static_cast<uint32_t>(token), head,
+                                                                      group, u);
+  if (active && head == 0) warm_l2(static_cast<const char*>(p.slot_mapping) + token * (p.slots_are_int64 ? 8 : 4));
+  after_prior_grids();  // nothing is read before the previous kernel's writes are visible
+
+  T* x = nullptr;  // 1. the row, and right behind it its tables and slot
+  const void* w = nullptr;
+  if (active && !is_v) {
+    const qk_norm_rope::Row<T> at = qk_norm_rope::row_at<T>(r, token, head);
+    x = at.x;
+    w = at.w;
+  } else if (active) {
+    x = const_cast<T*>(static_cast<const T*>(p.v)) + token * p.v_token_stride + (kv_head - r.num_kv_heads) * p.v_head_stride;
+  }
+  Vec<T> a[kUnits], b[kUnits];
+#pragma unroll
+  for (int s = 0; s < kUnits; ++s) {
+    a[s] = active ? load_vec_streaming<T>(x + u.col_a[s]) : zero_vec<T>();
+    b[s] = active ? load_vec_streaming<T>(x + u.col_b[s]) : zero_vec<T>();
+  }
+  const int64_t slot = active && (is_k || is_v) ? slot_of(p, token) : -1;
+  const int64_t cache = active && !is_v ? qk_norm_rope::cache_row(r, token) : -1;
+  float wa[kUnits][kVecElems] = {}, wb[kUnits][kVecElems] = {}, cos[kUnits][kVecElems] = {}, sin[kUnits][kVecElems] = {};
+  if (active && !is_v) {
+#pragma unroll
+    for (int s = 0; s < kUnits; ++s) {
+      load_table<WeightT, kVecElems>(w, u.col_a[s], wa[s]);
+      load_table<WeightT, kVecElems>(w, u.col_b[s], wb[s]);
+      if (u.rotates[s]) unit_cos_sin<T, kHf, CosSinT, kVecElems>(r, cache, u.unit[s], cos[s], sin[s]);
+    }
+  }
+
+  if (is_v && slot >= 0) {  // 2v. the v row into its slot, before the sum (which it only joins)
+    C* dst = cache_row<C>(p.v_cache, slot, p.block_size, kv_head - r.num_kv_heads);
+    const float scale = cache_scale<kCache>(p.v_cache);
+#pragma unroll
+    for (int s = 0; s < kUnits; ++s) {  // a v unit is two neighbouring vectors: one store
+      store_cache<T, kCache, true, 2>(dst + u.col_a[s], {a[s], b[s]}, scale);
+    }
+  }
+  float xa[kUnits][kVecElems], xb[kUnits][kVecElems];  // 3. the sum of squares (v rows add nothing)
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int s = 0; s < kUnits; ++s) {
+    unpack<T>(a[s], xa[s]);
+    unpack<T>(b[s], xb[s]);
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) sum_sq += is_v ? 0.f : xa[s][j] * xa[s][j] + xb[s][j] * xb[s][j];
+  }
+  const float rstd = rstd_from(warp_sum<Lanes::kLanes>(sum_sq), static_cast<float>(kHeadDim), r.eps);
+  if (!active || is_v) return;
+
+  C* k_dst = slot >= 0 ? cache_row<C>(p.k_cache, slot, p.block_size, kv_head) : nullptr;  // 4. per unit
+  const float k_scale = k_dst != nullptr ? cache_scale<kCache>(p.k_cache) : 1.f;
+#pragma unroll
+  for (int s = 0; s < kUnits; ++s) {
+    float ya[kVecElems], yb[kVecElems];
+    norm_rope_unit<T, kHf, kNeox>(xa[s], xb[s], wa[s], wb[s], cos[s], sin[s], u.rotates[s], rstd, r.weight_offset, ya,
+                                  yb);
+    const Vec<T> ra = pack<T>(ya), rb = pack<T>(yb);
+    store_vec_streaming<T>(x + u.col_a[s], ra);
+    store_vec_streaming<T>(x + u.col_b[s], rb);
+    if (k_dst == nullptr) continue;
+    if (kNeox && u.rotates[s]) {  // a NeoX unit's vectors lie rope_dim / 2 apart
+      store_cache<T, kCache, true, 1>(k_dst + u.col_a[s], {ra}, k_scale);
+      store_cache<T, kCache, true, 1>(k_dst + u.col_b[s], {rb}, k_scale);
+    } else {  // neighbours: one store
+      store_cache<T, kCache, true, 2>(k_dst + u.col_a[s], {ra, rb}, k_scale);
+    }
+  }
+}
+
+// ---- the launcher (host) ---------------------------------------------------------------------
+// What the policy reads of a call: Params and the pointers' alignment.
+template <typename T>
+inline Call call_of(const Params& p, DType dtype, Rounding rounding) {
+  constexpr int kVecElems = Vec<T>::kElems;
+  const qk_norm_rope::Params& r = p.rope;
+  const bool rows_are_vectors = is_aligned(r.q, kVecBytes) && is_aligned(r.k, kVecBytes) && is_aligned(p.v, kVecBytes) &&
+                                r.q_token_stride % kVecElems == 0 && r.q_head_stride % kVecElems == 0 &&
+                                r.k_token_stride % kVecElems == 0 && r.k_head_stride % kVecElems == 0 &&
+                                p.v_token_stride % kVecElems == 0 && p.v_head_stride % kVecElems == 0;
+  const bool tables_are_vectors = is_aligned(r.q_weight, kVecBytes) && is_aligned(r.k_weight, kVecBytes) &&
+                                  is_aligned(r.cos_sin_cache, kVecBytes);
+  return {dtype,
+          rounding,
+          r.num_tokens,
+          r.num_q_heads,
+          r.num_kv_heads,
+          r.head_dim,
+          r.rope_dim,
+          r.is_neox ? Layout::kNeox : Layout::kInterleaved,
+          r.weight_is_fp32 ? TableDtype::kFloat32 : TableDtype::kActivation,
+          r.cache_is_fp32 ? TableDtype::kFloat32 : TableDtype::kActivation,
+          p.cache_dtype,
+          rows_are_vectors,
+          tables_are_vectors,
+          cache_is_vectors<T>(p.k_cache) && cache_is_vectors<T>(p.v_cache)};
+}
+
+// Calls visit.template operator()<kKernel>() with the one-pass kernel `kernel` names (its head_dim
+// one of kVectorHeadDims); returns whether it was one.
+template <typename T, Rounding kRounding, typename Visit>
+inline bool with_kernel(const Kernel& kernel, Visit&& visit) {
+  return qk_norm_rope::with_head_dim<kVectorHeadDims[0], kVectorHeadDims[1], kVectorHeadDims[2]>(
+      kernel.head_dim, [&]<int kHeadDim>() {
+        const auto with_cache = [&]<Layout kLayout, TableDtype kWeights, TableDtype kCosSin>() {
+          if (kernel.cache == CacheDtype::kFp8E4m3) {
+            return visit.template operator()<
+                qk_norm_rope_cache_tuned_kernel<T, kRounding, kHeadDim, kLayout, kWeights, kCosSin, CacheDtype::kFp8E4m3>>();
+          }
+          visit.template operator()<
+              qk_norm_rope_cache_tuned_kernel<T, kRounding, kHeadDim, kLayout, kWeights, kCosSin, CacheDtype::kActivation>>();
+        };
+        const auto with_cos_sin = [&]<Layout kLayout, TableDtype kWeights>() {
+          if (kernel.cos_sin == TableDtype::kFloat32) return with_cache.template operator()<kLayout, kWeights, TableDtype::kFloat32>();
+          with_cache.template operator()<kLayout, kWeights, TableDtype::kActivation>();
+        };
+        const auto with_weights = [&]<Layout kLayout>() {
+          if (kernel.weights == TableDtype::kFloat32) return with_cos_sin.template operator()<kLayout, TableDtype::kFloat32>();
+          with_cos_sin.template operator()<kLayout, TableDtype::kActivation>();
+        };
+        if (kernel.layout == Layout::kNeox) return with_weights.template operator()<Layout::kNeox>();
+        with_weights.template operator()<Layout::kInterleaved>();
+      });
+}
+
+// Resident blocks per SM of the one-pass kernel `kernel` names, on the current GPU (cached per
+// kernel and device by persistent_grid_limit).
+template <typename T, Rounding kRounding>
+inline int blocks_per_sm(const Kernel& kernel) {
+  int limit = 0;
+  with_kernel<T, kRounding>(kernel, [&]<auto kKernel>() { limit = persistent_grid_limit<kKernel>(kernel.block); });
+  const int sms = qk_norm_rope::tuned::multiprocessors();
+  return sms > 0 ? limit / sms : 0;
+}
+
+template <DType kDType, Rounding kRounding>
+inline Plan plan_of(const Params& p) {
+  using T = cookbook::Storage<kDType>;
+  return plan(call_of<T>(p, kDType, kRounding), qk_norm_rope::tuned::multiprocessors(),
+              [](const Kernel& kernel) { return blocks_per_sm<T, kRounding>(kernel); });
+}
+
+template <DType kDType, Rounding kRounding>
+cudaError_t launch(const Params& p, cudaStream_t stream) {
+  using T = cookbook::Storage<kDType>;
+  if (total_rows(p) == 0) return cudaSuccess;
+  const Plan chosen = plan_of<kDType, kRounding>(p);
+  if (chosen.kernel.name == KernelName::kSplit) return copy::launch_split<kDType, kRounding>(p, stream);
+  with_kernel<T, kRounding>(chosen.kernel, [&]<auto kKernel>() {
+    launch_kernel(chosen.programmatic, kKernel, dim3(static_cast<unsigned>(chosen.grid)), dim3(chosen.block),
+                  static_cast<size_t>(chosen.shared_bytes), stream, p, chosen.rows);
+  });
+  return cudaGetLastError();
+}
+
+// What `launch` would run for `p` on the current GPU, as key=value lines, with the kernel's
+// registers as the driver reports them: `cookbook explain` on a GPU. Launches nothing.
+template <DType kDType, Rounding kRounding>
+std::string explain(const Params& p) {
+  using T = cookbook::Storage<kDType>;
+  const Plan chosen = plan_of<kDType, kRounding>(p);
+  std::string text = describe(chosen);
+  cudaFuncAttributes attributes{};
+  bool found = false;
+  if (chosen.kernel.name == KernelName::kSplit) {
+    with_cache_dtype(p, [&]<CacheDtype kCache>() {
+      found = cudaFuncGetAttributes(&attributes, copy::qk_norm_rope_cache_copy_kernel<T, kCache>) == cudaSuccess;
+    });
+  } else {
+    with_kernel<T, kRounding>(chosen.kernel, [&]<auto kKernel>() {
+      found = cudaFuncGetAttributes(&attributes, kKernel) == cudaSuccess;
+    });
+  }
+  if (found && chosen.rows > 0) text += Facts{}.add("registers", attributes.numRegs).text();
+  return text;
+}
+
+}  // namespace cookbook::qk_norm_rope_cache::tuned
