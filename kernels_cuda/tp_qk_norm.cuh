@@ -23,7 +23,6 @@
 // v11: one CTA per token; thread vectors held through the exchange, the next token's loaded before the wait - removes v10's shared tiles between decode and prefill
 // v12: v10's and v11's kernels chosen per chunk from a table keyed by world size - removes v10's dispatch, tuned at TP=2 alone
 // v13: up to 16 tokens per SM, v11's walk with one thread per 16-byte vector and the call's counters read beside the first loads - removes v11's serial counter reads before its first barrier, and v10's tiles
-// v14: v13 with the epoch read once per CTA and shared, and the CTA counted in for the next epoch right after its first barrier - removes the count-in atomic from the first exchange's critical path
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -1460,26 +1459,11 @@ static_assert(kNumTensors * kMaxRanks + kMaxRanks * kHeaderWords + 1 <= kLeanMin
 static_assert(kLeanMinThreads % kWarpSize == 0 && kLeanMaxThreads % kWarpSize == 0, "whole warps");
 static_assert(cross_head_norm::valid_block_size<kLeanMaxThreads>, "block_sum: at most 1024 threads");
 
-// ------------------------------------------------------------------------------------------
-// v14: v13 with the epoch read once per CTA and shared, and the CTA counted in for the next epoch right after its first barrier - removes the count-in atomic from the first exchange's critical path
-// In v13 every thread reads the epoch, so a CTA may count itself in only once all have, and its
-// epoch thread did so beside the first wait: in the warp of the header threads, whose polls the
-// atomic's round trip then followed (a warp's divergent paths take turns), and at mid sizes
-// after hundreds of CTAs' atomics on the same word. Here thread 0 reads the epoch with the counters
-// and shares it, so after the first barrier no thread reads it again: thread 0 issues the atomic
-// there, and needs its reply (am I the last CTA: then advance the epoch) only once the first
-// exchange is over.
-// ------------------------------------------------------------------------------------------
-// When a CTA of the lean walk counts itself in for the next epoch (v4's early epoch).
-enum class CountIn { kBesideTheWait, kAfterTheFirstBarrier };
-
-template <typename T, bool kHfRounding, CountIn kCountIn>
+template <typename T, bool kHfRounding>
 __global__ void __launch_bounds__(kLeanMaxThreads, kLeanMinCtasPerSm) lean_rows_kernel(FusedParams p) {
   constexpr int kElems = Vec<T>::kElems;
-  constexpr bool kEarlyCountIn = kCountIn == CountIn::kAfterTheFirstBarrier;
   __shared__ float partials[kNumTensors][kMaxRanks];
   __shared__ CallState call;
-  __shared__ uint32_t shared_epoch;  // v14: thread 0's read, for every thread
 
   after_prior_grids();
   // Thread 0's counters, the thread's weights and the first token's vector: requested together.
@@ -1487,7 +1471,6 @@ __global__ void __launch_bounds__(kLeanMaxThreads, kLeanMinCtasPerSm) lean_rows_
   if (threadIdx.x == 0) {
     gave_up = counter(p, kGaveUpCounter);
     wait_limit = counter(p, kWaitLimitCounter);
-    if constexpr (kEarlyCountIn) shared_epoch = read_epoch(p);
   }
   const int q_vecs = p.shard.q_hidden / kElems;
   const int vecs = q_vecs + p.shard.k_hidden / kElems;
@@ -1505,29 +1488,18 @@ __global__ void __launch_bounds__(kLeanMaxThreads, kLeanMinCtasPerSm) lean_rows_
     w_raw = load_raw_weights<T>(row0, (is_q ? c : c - q_vecs) * kElems);
   }
 
-  const auto open_call_from_the_counters = [&] {
-    if (threadIdx.x == 0) {
-      call.ok = 1;
-      call.deadline = global_ticks() + (gave_up != 0 ? 0u : wait_limit);
-    }
-    __syncthreads();
-  };
-  uint32_t epoch;
-  if constexpr (kEarlyCountIn) {
-    open_call_from_the_counters();
-    epoch = shared_epoch;  // the CTA's only read of the epoch, so it may count itself in from here
-  } else {
-    epoch = read_epoch(p);
-  }
+  const uint32_t epoch = read_epoch(p);
   if (chunk_abandoned(p, epoch)) return;
   const bool near_wrap = epoch >= kLastEpoch - 1;
   const int parity = static_cast<int>(epoch % kParities);
   const int waiting_threads = kNumTensors * p.world;  // thread (tensor, rank r) pushes to r, waits for r
   const int header_thread = threadIdx.x - (blockDim.x - p.world * kHeaderWords);
   const int epoch_thread = blockDim.x - 1 - p.world * kHeaderWords;
-  if constexpr (!kEarlyCountIn) open_call_from_the_counters();
-  uint32_t counted_before = 0;  // v14, thread 0: the CTAs that counted themselves in before this one
-  if (kEarlyCountIn && threadIdx.x == 0 && !near_wrap) counted_before = atomicAdd(p.counters + kDoneCounter, 1u);
+  if (threadIdx.x == 0) {  // open_call, from the values read above
+    call.ok = 1;
+    call.deadline = global_ticks() + (gave_up != 0 ? 0u : wait_limit);
+  }
+  __syncthreads();
   publish_header(p, epoch, parity);
 
   bool first = true;
@@ -1559,12 +1531,8 @@ __global__ void __launch_bounds__(kLeanMaxThreads, kLeanMinCtasPerSm) lean_rows_
       }
     } else if (first && header_thread >= 0 && !header_agrees(p, epoch, parity, header_thread, &call)) {
       call.ok = 0;
-    } else if (!kEarlyCountIn && first && !near_wrap && threadIdx.x == epoch_thread) {
+    } else if (first && !near_wrap && threadIdx.x == epoch_thread) {
       count_in_for_the_epoch(p, epoch);
-    }
-    if (kEarlyCountIn && first && !near_wrap && threadIdx.x == 0 && counted_before == gridDim.x - 1) {
-      p.counters[kDoneCounter] = 0;  // every CTA has read the epoch: advance it for the next launch
-      p.counters[kEpochCounter] = next_epoch(epoch);
     }
     first = false;
     __syncthreads();
@@ -1736,11 +1704,11 @@ inline bool launch_token_rows(const FusedParams& p, cudaStream_t stream) {
 // v13's kernel on a persistent grid (a CTA per token up to the resident CTAs); false where the
 // row pair has more vectors than a block has threads, or the chunk has no token (v2's kernel
 // then publishes the empty call's header).
-template <typename T, bool kHfRounding, CountIn kCountIn>
+template <typename T, bool kHfRounding>
 inline bool launch_lean_rows(FusedParams p, cudaStream_t stream) {
   const int vecs = (p.shard.q_hidden + p.shard.k_hidden) / Vec<T>::kElems;
   if (p.shard.num_tokens == 0 || vecs > kLeanMaxThreads) return false;
-  constexpr auto kernel = lean_rows_kernel<T, kHfRounding, kCountIn>;
+  constexpr auto kernel = lean_rows_kernel<T, kHfRounding>;
   const int whole_warps = cross_head_norm::threads_for(vecs, 1);
   const int threads = whole_warps < kLeanMinThreads ? kLeanMinThreads : whole_warps;
   const int64_t resident = persistent_grid_limit<kernel>(threads);
@@ -1805,10 +1773,10 @@ inline void launch_by_table(const FusedParams& chunk, bool packed, cudaStream_t 
 // shard, 16 per SM on 132 SMs, and trailed it from 8192).
 constexpr int kLeanTokensPerSm = 16;
 
-template <typename T, bool kHfRounding, CountIn kCountIn>
+template <typename T, bool kHfRounding>
 inline void launch_lean_or_table(const FusedParams& chunk, bool packed, cudaStream_t stream) {
   const int64_t tokens_per_sm = (chunk.shard.num_tokens + sm_count() - 1) / sm_count();
-  if (packed && tokens_per_sm <= kLeanTokensPerSm && launch_lean_rows<T, kHfRounding, kCountIn>(chunk, stream)) return;
+  if (packed && tokens_per_sm <= kLeanTokensPerSm && launch_lean_rows<T, kHfRounding>(chunk, stream)) return;
   launch_by_table<T, kHfRounding>(chunk, packed, stream);
 }
 
@@ -1826,8 +1794,7 @@ inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
     chunk.shard.k = static_cast<T*>(call.shard.k) + first * call.shard.k_token_stride;
     chunk.chunk_index = chunk_index++;
     if (kVersion >= 13) {
-      constexpr CountIn kCountIn = kVersion >= 14 ? CountIn::kAfterTheFirstBarrier : CountIn::kBesideTheWait;
-      launch_lean_or_table<T, kHfRounding, kCountIn>(chunk, packed, stream);
+      launch_lean_or_table<T, kHfRounding>(chunk, packed, stream);
     } else if (kVersion == 12) {
       launch_by_table<T, kHfRounding>(chunk, packed, stream);
     } else if (kVersion == 11 && packed && launch_token_rows<T, kHfRounding>(chunk, stream)) {
@@ -1843,7 +1810,7 @@ inline void launch_fused(const FusedParams& call, cudaStream_t stream) {
   } while (first < call.shard.num_tokens);
 }
 
-constexpr int kNumVersions = 14;
+constexpr int kNumVersions = 13;
 constexpr int kTunedVersion = kNumVersions;  // what backend="cuda" runs
 
 // ------------------------------------------------------------------------------------------
@@ -1886,10 +1853,9 @@ cudaError_t fused_of(const FusedParams& p, int version, cudaStream_t stream) {
     case 11: launch_fused<11, T, kHfRounding>(p, stream); break;
     case 12: launch_fused<12, T, kHfRounding>(p, stream); break;
     case 13: launch_fused<13, T, kHfRounding>(p, stream); break;
-    case 14: launch_fused<14, T, kHfRounding>(p, stream); break;
     default: return cudaErrorInvalidValue;
   }
-  static_assert(kNumVersions == 14, "a case per fused version above");
+  static_assert(kNumVersions == 13, "a case per fused version above");
 #endif
   return cudaGetLastError();
 }
