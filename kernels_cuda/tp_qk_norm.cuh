@@ -1770,7 +1770,8 @@ inline void launch_by_table(const FusedParams& chunk, bool packed, cudaStream_t 
 
 // v13's dispatch: the lean kernel up to kLeanTokensPerSm tokens per SM at every world size, v12's
 // table above. Measured on 4 and 2 H200s at MiniMax-M2's widths, both timing methods
-// (docs/results/tp_qk_norm_h200x4*.md, _h200x2*.md): the lean kernel led v12 up to 512 tokens (4 per
+// (docs/results/tp_qk_norm_h200x4_v12_v13_v14.md, tp_qk_norm_h200x2_v12_v13_v14.md and their
+// _back_to_back pages): the lean kernel led v12 up to 512 tokens (4 per
 // SM) and trailed it at 2048 (16 per SM: 12.85 against 12.18 us at TP=4, 19.32 against 15.14 at
 // TP=2, where its 448-thread CTAs keep 2 per SM), so the band ends at 4.
 constexpr int kLeanTokensPerSm = 4;
