@@ -5,6 +5,8 @@ Tiny launches: under the simulator (tests/conftest.py turns it on without a GPU)
 thread is a Python thread. The same tests run as real kernels on a GPU.
 """
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -281,3 +283,42 @@ def test_contiguous_row_reads_and_writes_a_strided_view():
     np.testing.assert_array_equal(out, before[:, 1:, :])
     before[:, 1:, 0] *= -1
     np.testing.assert_array_equal(a, before)
+
+
+def test_simulated_shared_arrays_are_one_array_per_line_in_every_thread():
+    """The simulator keys `cuda.shared.array` by source line; its first allocation is made under
+    a lock (kernels_numba/_compat.py), so threads of one block reaching the line together all get
+    the same array (without it, a block sum could drop threads' values)."""
+    import threading
+
+    import numpy as np
+    from numba.cuda.simulator import kernelapi
+
+    from kernels_numba import _compat
+
+    _compat._serialize_simulated_shared_arrays()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: unlocked, about 1 round in 25 gave two arrays
+    try:
+        _each_thread_gets_one_array(kernelapi, np, threading)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _each_thread_gets_one_array(kernelapi, np, threading):
+    for _ in range(200):
+        shared = kernelapi.FakeCUDAShared(0)
+        start = threading.Barrier(32)
+        got = []
+
+        def thread():
+            start.wait()
+            got.append(shared.array(32, np.float32))
+
+        threads = [threading.Thread(target=thread) for _ in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len({id(a) for a in got}) == 1
+        assert got[0].shape == (32,) and got[0].dtype == np.float32
