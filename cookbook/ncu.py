@@ -62,10 +62,14 @@ EXTRA_METRICS = (["smsp__issue_active.avg.pct_of_peak_sustained_active", "smsp__
 OPTIONAL_METRICS = ["lts__t_sector_op_read_hit_rate.pct"]
 
 
+def metric_listing(ncu: str) -> str:
+    """What `ncu --query-metrics` prints."""
+    return subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout
+
+
 def known_metrics(ncu: str, names: list[str]) -> list[str]:
     """The metrics of `names` that `ncu --query-metrics` lists (by base name, before the rollup)."""
-    run = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True)
-    listed = {line.split()[0] for line in run.stdout.splitlines() if line.strip()}
+    listed = {line.split()[0] for line in metric_listing(ncu).splitlines() if line.strip()}
     return [name for name in names if name.split(".")[0] in listed]
 
 
@@ -143,6 +147,11 @@ def table(launches: list[dict], impl_of: list[str]) -> str:
     return markdown_table(headers, body)
 
 
+def ncu_path() -> str | None:
+    """Nsight Compute's command line, where it is on PATH."""
+    return shutil.which("ncu")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cookbook.ncu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--op", required=True)
@@ -172,7 +181,7 @@ def main(argv=None) -> int:
         _child(args.op, shape_index, names)
         return 0
 
-    ncu = shutil.which("ncu")
+    ncu = ncu_path()
     if ncu is None:
         print("ncu (Nsight Compute) is not on PATH: nothing to profile", file=sys.stderr)
         return 2

@@ -70,7 +70,8 @@ def test_unknown_implementation_is_rejected(capsys):
 
 
 def test_without_ncu_it_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(ncu.shutil, "which", lambda name: None)
+    # (not shutil.which itself: the process's background nvcc jobs look for nvcc with it meanwhile)
+    monkeypatch.setattr(ncu, "ncu_path", lambda: None)
     assert ncu.main(["--op", "qk_norm", "--impls", "cuda_v4"]) == 2
     assert "ncu" in capsys.readouterr().err
 
@@ -89,9 +90,6 @@ def test_bad_op_or_shape_is_rejected(argv, fragment, capsys):
 def test_known_metrics_keeps_what_this_ncu_lists(monkeypatch):
     listing = "Device GH100\nlts__t_sector_op_read_hit_rate   Counter   ...\nsmsp__issue_active   Counter\n"
 
-    class Run:
-        stdout = listing
-
-    monkeypatch.setattr(ncu.subprocess, "run", lambda *args, **kwargs: Run())
+    monkeypatch.setattr(ncu, "metric_listing", lambda path: listing)  # (subprocess.run itself: nvcc jobs use it)
     names = ["lts__t_sector_op_read_hit_rate.pct", "no_such__metric.sum"]
     assert ncu.known_metrics("ncu", names) == ["lts__t_sector_op_read_hit_rate.pct"]
