@@ -260,7 +260,7 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _cuda("tp_qk_norm", 10, "v9 with, at decode sizes, each lane's packs of its row and their weights loaded together into registers before the exchange and kept there through it - removes the decode kernel's weight loads after the wait (a memory round trip on every call's critical path; the L1 prefetch did not hide it) and its shared-memory tile"),
         _cuda("tp_qk_norm", 11, "one CTA per token; thread vectors held through the exchange, the next token's loaded before the wait - removes v10's shared tiles between decode and prefill"),
         _cuda("tp_qk_norm", 12, "v10's and v11's kernels chosen per chunk from a table keyed by world size - removes v10's dispatch, tuned at TP=2 alone"),
-        _cuda("tp_qk_norm", 13, "up to 4 tokens per SM, v11's walk with one thread per 16-byte vector and the call's counters read beside the first loads - removes v11's serial counter reads before its first barrier, and v10's tiles"),
+        _cuda("tp_qk_norm", 13, "at decode and mid sizes, v11's walk with one thread per 16-byte vector and the call's counters read beside the first loads - removes v11's serial counter reads before its first barrier, and v10's tiles"),
         Impl("tp_qk_norm", "all_gather", "peer", 0, "cookbook.peers:tp_qk_norm_all_gather",
              "the naive baseline: all-gather the shards, normalize the gathered rows, keep this rank's columns"),
     ],

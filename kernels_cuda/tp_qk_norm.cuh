@@ -22,7 +22,7 @@
 // v10: v9 with, at decode sizes, each lane's packs of its row and their weights loaded together into registers before the exchange and kept there through it - removes the decode kernel's weight loads after the wait (a memory round trip on every call's critical path; the L1 prefetch did not hide it) and its shared-memory tile
 // v11: one CTA per token; thread vectors held through the exchange, the next token's loaded before the wait - removes v10's shared tiles between decode and prefill
 // v12: v10's and v11's kernels chosen per chunk from a table keyed by world size - removes v10's dispatch, tuned at TP=2 alone
-// v13: up to 4 tokens per SM, v11's walk with one thread per 16-byte vector and the call's counters read beside the first loads - removes v11's serial counter reads before its first barrier, and v10's tiles
+// v13: at decode and mid sizes, v11's walk with one thread per 16-byte vector and the call's counters read beside the first loads - removes v11's serial counter reads before its first barrier, and v10's tiles
 //
 // Torch-free: raw pointers and element strides (64-bit). bindings/tp_qk_norm.cu is the torch
 // glue; cookbook/tp_workspace.py allocates the peer buffers and documents their protocol.
@@ -1436,7 +1436,7 @@ __global__ void __launch_bounds__(kTokenRowsMaxThreads, token_rows_min_ctas_per_
 }
 
 // ------------------------------------------------------------------------------------------
-// v13: up to 4 tokens per SM, v11's walk with one thread per 16-byte vector and the call's counters read beside the first loads - removes v11's serial counter reads before its first barrier, and v10's tiles
+// v13: at decode and mid sizes, v11's walk with one thread per 16-byte vector and the call's counters read beside the first loads - removes v11's serial counter reads before its first barrier, and v10's tiles
 // v11's walk (a CTA per token, the next token requested before the wait) with two changes on
 // the latency chain of a small call:
 //   * thread 0's reads of the wait limit and of the gave-up flag are issued right after
