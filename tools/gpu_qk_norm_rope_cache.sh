@@ -24,18 +24,19 @@
 #                    empty caches -> docs/results/qk_norm_rope_cache_<gpu>_builds.{md,json}
 #       notebook     tools/run_notebook.py notebooks/06_qk_norm_rope_cache.py (writes the .ipynb)
 #
-# What comes back in $OUT: summary.txt (each stage's status and seconds, and what was skipped),
-# env.txt, one log per stage (logs/), the bench's own output (bench/), and results.tgz: the pages
-# written under docs/results/ and the executed notebook. A failing stage does not stop the later ones.
+# What comes back in $OUT (three files: a caller's output folder may take only a few): summary.txt
+# (each stage's status and seconds, and what was skipped), env.txt, and results.tgz: one log per
+# stage (logs/), the bench's own output (bench/), the pages written under docs/results/ and the
+# executed notebook. A failing stage does not stop the later ones.
 set -uo pipefail
 stages=${1:-peers,build,tests,sanitizer,bench,copy,props,builds,notebook}
-OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$OUT" "$LOGS"
+OUT=${OUT:-/tmp/out}; WORK=$(mktemp -d); LOGS=$WORK/logs; mkdir -p "$OUT" "$LOGS"
 BUDGET_S=${BUDGET_S:-580}
 WHEELS=${WHEELS:-.whl}
 export PYTHONUNBUFFERED=1 COOKBOOK_BUILD_DIR=${COOKBOOK_BUILD_DIR:-$PWD/build/cookbook}
 export PYTHONPATH="$PWD:$PWD/build/peers${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 start=$SECONDS
-touch "$OUT/.start"
+touch "$WORK/.start"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
@@ -83,16 +84,16 @@ raise SystemExit(1 if failed else 0)"
 stage tests 300 python3 -m pytest -q -p no:cacheprovider -W ignore::numba.core.errors.NumbaPerformanceWarning \
   tests/test_gpu_qk_norm_rope_cache.py -k "not sanitizer"
 stage sanitizer 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_qk_norm_rope_cache.py -k sanitizer
-stage bench 300 python3 -m cookbook bench --ops qk_norm_rope_cache --out "$OUT/bench" --results-dir docs/results
+stage bench 300 python3 -m cookbook bench --ops qk_norm_rope_cache --out "$WORK/bench" --results-dir docs/results
 stage copy 200 python3 -m cookbook.copy_by_shape --results-dir docs/results
 stage props 300 python3 -m pytest -q -p no:cacheprovider -W ignore::numba.core.errors.NumbaPerformanceWarning \
   tests/test_qk_norm_rope_cache.py
 stage builds 150 python3 tools/build_times.py qk_norm_rope_cache
 stage notebook 150 python3 tools/run_notebook.py notebooks/06_qk_norm_rope_cache.py
 
-pages=$(find docs/results notebooks -newer "$OUT/.start" -type f \( -name 'qk_norm_rope_cache*' -o -name 'copy_by_shape_*' \
+pages=$(find docs/results notebooks -newer "$WORK/.start" -type f \( -name 'qk_norm_rope_cache*' -o -name 'copy_by_shape_*' \
   -o -name '06_qk_norm_rope_cache.ipynb' \) 2>/dev/null)
-[[ -n $pages ]] && tar czf "$OUT/results.tgz" $pages
+tar czf "$OUT/results.tgz" $pages -C "$WORK" logs $(cd "$WORK" && ls -d bench 2>/dev/null)
 echo "total: $((SECONDS - start)) s of a ${BUDGET_S} s budget; pages written: $(echo $pages | wc -w)" >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
 grep -q "FAILED\|TIMED OUT" "$OUT/summary.txt" && exit 1
