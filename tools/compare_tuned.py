@@ -8,6 +8,7 @@ At every bench shape, with the benchmark's own timing:
     python tools/compare_tuned.py --old-kernels /tmp/old/kernels_cuda --old-commit <commit> --old-version tuned
     python tools/compare_tuned.py --op cross_head_norm --old-kernels DIR --old-commit <commit> --old-version 6,13,14
     python tools/compare_tuned.py --op qk_norm_rope --old-kernels DIR --old-commit <commit> --old-version 9
+    python tools/compare_tuned.py --op qk_norm_rope_cache --old-kernels DIR --old-commit <commit> --old-version tuned
 
 The earlier commit's kernels (the older layout: every version in one header, `bindings/<op>.cu`
 registering `torch.ops.cookbook.<op>(..., version)`; or the ladder layout's tuned kernel, with
@@ -61,7 +62,20 @@ def _qk_norm_rope_call(op, *version):
     return run
 
 
-CALLS = {"qk_norm": _norm_call, "cross_head_norm": _norm_call, "qk_norm_rope": _qk_norm_rope_call}
+def _qk_norm_rope_cache_call(op, *version):
+    """The registry's qk_norm_rope_cache arguments -> op(q, k, v, q_weight, k_weight, cos_sin_cache,
+    positions, k_cache, v_cache, slot_mapping, k_scale, v_scale, eps, weight_offset, is_neox,
+    rope_dim, hf[, version])."""
+    def run(q, k, v, q_weight, k_weight, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, k_scale, v_scale, eps,
+            weight_offset, rounding, is_neox, rope_dim):
+        op(q, k, v, q_weight, k_weight, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, k_scale, v_scale, eps,
+           weight_offset, is_neox, rope_dim, rounding == "hf", *version)
+
+    return run
+
+
+CALLS = {"qk_norm": _norm_call, "cross_head_norm": _norm_call, "qk_norm_rope": _qk_norm_rope_call,
+         "qk_norm_rope_cache": _qk_norm_rope_cache_call}
 OPS = tuple(CALLS)  # the ops in the ladder layout, with a tuned kernel
 ORDER = ("old", "new", "new", "old")  # each timed twice, interleaved
 

@@ -57,11 +57,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_ker
   const bool is_k = kv_head >= 0 && !is_v;
   const LaneUnits<kUnits> u = lane_units<kUnits, kVecElems>(lane, Lanes::kLanes, is_v ? 0 : r.rope_dim, kNeox);
 
-  // 0. while the previous kernel still runs: qk_norm_rope's warming of the weights and of each
-  // token's cos/sin run (by the group of its first head, a q row), and that group warms the slot
+  // 0. while the previous kernel still runs: the group of each token's first head (a q row) warms
+  // the token's slot, first (as rung 3: the cos/sin warming behind it waits for a position read),
+  // then qk_norm_rope's warming of the weights and of each token's cos/sin run
+  if (active && head == 0) warm_l2(static_cast<const char*>(p.slot_mapping) + token * (p.slots_are_int64 ? 8 : 4));
   qk_norm_rope::tuned::warm_call_tables<T, kHeadDim, WeightT, CosSinT>(r, active, static_cast<uint32_t>(token), head,
                                                                       group, u);
-  if (active && head == 0) warm_l2(static_cast<const char*>(p.slot_mapping) + token * (p.slots_are_int64 ? 8 : 4));
   after_prior_grids();  // nothing is read before the previous kernel's writes are visible
 
   T* x = nullptr;  // 1. the row, and right behind it its tables and slot
