@@ -451,7 +451,7 @@ def _abstain(group, backend: str) -> None:
         if fused:  # the peers decide as resolve_tp does: the kernels built, then the workspace
             from cookbook import cuda
 
-            cuda.load_tp(cuda.tp_tuned_version())
+            cuda.TpOps(cuda.tp_tuned())
             fused = tp_workspace.unavailable(group) is None
         if fused:
             tp_workspace.abstain(group, cuda.tp_absent)
@@ -475,15 +475,23 @@ _tp_qk_norm_op = _as_op("tp_qk_norm_dispatch", _run_tp_qk_norm_by_group_name,
 
 FIRST_FUSED_VERSION = 2  # tp_qk_norm's cuda_v1 is the three-launch NCCL pipeline; v2 on, one kernel per call
 
+# Where the fused kernel cannot run, "auto" and "cuda" take the NCCL path with rung 1's kernels
+# from the tuned extension (so that no other extension is built).
+NCCL_FALLBACK = registry.Impl("tp_qk_norm", "cuda_tuned_nccl", "tuned", 0, "cookbook.cuda:tp_qk_norm_nccl",
+                              "the tuned extension's NCCL path: rung 1's sum-of-squares kernel, the all-reduce, "
+                              "its apply kernel", kernel="tp_qk_norm/tuned.cuh")
+
 
 def is_fused(impl) -> bool:
     """Whether a tp_qk_norm implementation is the fused kernel (one launch, symmetric memory)."""
-    return impl.level == "cuda" and impl.version >= FIRST_FUSED_VERSION
+    if impl.target != "cookbook.cuda:tp_qk_norm":
+        return False
+    return impl.level == "tuned" or (impl.level == "cuda" and impl.version >= FIRST_FUSED_VERSION)
 
 
 @functools.cache
 def _say_fallback(reason: str) -> None:
-    warnings.warn(f"tp_qk_norm: the fused kernel cannot run here ({reason}); using the NCCL path (cuda_v1)",
+    warnings.warn(f"tp_qk_norm: the fused kernel cannot run here ({reason}); using the NCCL path (cuda_v1's kernels)",
                   RuntimeWarning, stacklevel=5)
 
 
@@ -501,11 +509,11 @@ def resolve_tp(backend: str, a: tp_contract.TPQKNormArgs):
     if is_fused(impl):
         from cookbook import cuda, tp_workspace
 
-        cuda.load_tp(impl.version)
+        cuda.TpOps(impl.extension)
         reason = tp_workspace.unavailable(a.group)
         if reason:
             _say_fallback(reason)
-            return registry.get("tp_qk_norm", "cuda_v1")
+            return NCCL_FALLBACK if impl.level == "tuned" else registry.get("tp_qk_norm", "cuda_v1")
     return impl
 
 

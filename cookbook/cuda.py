@@ -22,7 +22,6 @@ import fcntl
 import functools
 import hashlib
 import os
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -185,7 +184,7 @@ def _load(ext: Extension) -> BuildRecord:
         directory = extension_dir(ext)
         record = _compile(f"cookbook_{ext.name}", _write_units(ext, directory), directory)
         record = BuildRecord(ext.name, record.seconds, record.cached)
-        _register_fakes((ext.name,))
+        _register_fakes(tuple(f"{ext.name}_{step}" for step in ext.tp_steps) if ext.op == "tp_qk_norm" else (ext.name,))
         how = "loaded from the cache" if record.cached else "built"
         print(f"{ext.name}: {how} in {record.seconds:.1f} s", flush=True)
         BUILDS[ext.name] = record
@@ -234,71 +233,7 @@ def load(op: str) -> None:
     BUILDS[op] = BuildRecord(op, record.seconds, record.cached)
 
 
-# The torch ops a binding of the older layout defines, where they are not just `cookbook::<op>`.
-LIBRARY_OPS = {"tp_qk_norm": ("tp_qk_norm_sum_sq", "tp_qk_norm_apply", "tp_qk_norm_fused")}
-
-# tp_qk_norm's tuned extension: v1 and the tuned version only (COOKBOOK_TP_TUNED), each dtype and
-# rounding in a unit of its own, compiled in parallel; its ops are cookbook::tp_qk_norm_tuned_*.
-# The ladder's extension (`load("tp_qk_norm")`, every version in one unit) builds only where a
-# call names another version (the benchmark, the tests).
-TP_TUNED = "tp_qk_norm_tuned"
-_TP_UNIT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-
-
-def _tp_tuned_units() -> dict[str, str]:
-    # Every unit declares the entry points extern; a kernel unit then instantiates its own.
-    header = "#define COOKBOOK_TP_TUNED\n#define COOKBOOK_TP_SPLIT_UNITS\n"
-    units = {"binding.cu": header + "#include \"bindings/tp_qk_norm.cu\"\n"}
-    for dtype, t in _TP_UNIT_TYPES.items():
-        for hf in ("false", "true"):
-            body = [f"template cudaError_t fused_of<{t}, {hf}>(const FusedParams&, int, cudaStream_t);",
-                    f"template cudaError_t apply_of<{t}, {hf}>(const ApplyParams&, cudaStream_t);"]
-            if hf == "false":
-                body.append(f"template cudaError_t sum_sq_of<{t}>(const Params&, float*, cudaStream_t);")
-            units[f"{dtype}_{'hf' if hf == 'true' else 'fused'}.cu"] = (
-                header + '#include "tp_qk_norm.cuh"\nnamespace cookbook::tp_qk_norm {\n' + "\n".join(body) + "\n}\n")
-    return units
-
-
-@functools.cache
-def tp_tuned_version() -> int:
-    """The version the tuned extension holds: the header's kTunedVersion (its last version, what
-    backend="cuda" runs; tests/test_tp_qk_norm.py checks it against the registry)."""
-    text = (KERNEL_DIR / "tp_qk_norm.cuh").read_text()
-    assert "constexpr int kTunedVersion = kNumVersions;" in text, "tp_qk_norm.cuh: kTunedVersion is its last version"
-    return int(re.search(r"constexpr int kNumVersions = (\d+);", text).group(1))
-
-
-def load_tp(version: int) -> str:
-    """Build (or reuse) and load the tp_qk_norm extension that holds `version`; returns the prefix of
-    its torch ops (``torch.ops.cookbook.<prefix>_fused``): the tuned extension for v1 and the
-    tuned version, else the ladder's."""
-    if version not in (1, tp_tuned_version()):
-        load("tp_qk_norm")
-        return "tp_qk_norm"
-    with _lock_of(TP_TUNED):
-        if TP_TUNED in BUILDS:
-            return TP_TUNED
-        reason = unavailable()
-        if reason:
-            raise RuntimeError(f"cannot build the CUDA C kernels of tp_qk_norm: {reason}")
-        units = _tp_tuned_units()
-        directory = _build_root() / f"{TP_TUNED}-{_digest(_tp_sources(), *units.values())}"
-        directory.mkdir(parents=True, exist_ok=True)
-        for file_name, text in units.items():
-            path = directory / file_name
-            if not path.exists() or path.read_text() != text:
-                path.write_text(text)
-        with _build_environment(jobs=os.cpu_count() or 1):
-            record = _compile(f"cookbook_{TP_TUNED}", [str(directory / f) for f in units], directory)
-        _register_fakes(tuple(f"{TP_TUNED}_{name}" for name in ("sum_sq", "apply", "fused", "absent")))
-        print(f"{TP_TUNED}: {'loaded from the cache' if record.cached else 'built'} in {record.seconds:.1f} s", flush=True)
-        BUILDS[TP_TUNED] = BuildRecord(TP_TUNED, record.seconds, record.cached)
-    return TP_TUNED
-
-
-def _tp_sources() -> list[Path]:
-    return sorted(p for p in KERNEL_DIR.rglob("*") if p.suffix in (".cuh", ".cu", ".h"))
+LIBRARY_OPS: dict[str, tuple[str, ...]] = {}  # ops of the older layout whose torch ops are not just cookbook::<op>
 
 
 def _register_fakes(names) -> None:
@@ -336,39 +271,52 @@ def qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos_sin_cache, positions, k_
                               k_scale, v_scale, eps, weight_offset, is_neox, rope_dim, rounding == "hf")
 
 
-def tp_qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, group, *, version):
-    """v1: sum-of-squares kernel -> NCCL all-reduce of the [T, 2] sums -> apply kernel (three
-    launches); v2 on: one fused kernel that exchanges the sums through the group's symmetric-memory
-    workspace (`cookbook.tp_workspace`)."""
-    from cookbook.ops.tp_qk_norm import NUM_TENSORS, all_reduce_sum, world_of
-
-    ops = _TpOps(load_tp(version))
-    hf = rounding == "hf"
-    if version == 1:
-        tp = world_of(group)[1]
-        sum_sq = torch.empty((q.shape[0], NUM_TENSORS), dtype=torch.float32, device=q.device)
-        ops.sum_sq(q, k, sum_sq)
-        all_reduce_sum(sum_sq, group)
-        ops.apply(q, k, q_weight, k_weight, sum_sq, eps, weight_offset, q.shape[1] * tp, k.shape[1] * tp, hf)
-        return
+def tp_qk_norm(q, k, q_weight, k_weight, eps, weight_offset, rounding, group, *, extension: Extension):
+    """Rung 1 (and the tuned kernel where the fused path cannot run, `nccl=True` below): a
+    sum-of-squares kernel -> NCCL all-reduce of the [T, 2] sums -> apply kernel (three launches);
+    rung 2 on and the tuned kernel: one fused kernel that exchanges the sums through the group's
+    symmetric-memory workspace (`cookbook.tp_workspace`)."""
+    if extension.stem == "v1":
+        return tp_qk_norm_nccl(q, k, q_weight, k_weight, eps, weight_offset, rounding, group, extension=extension)
     from cookbook import tp_workspace
 
+    ops = TpOps(extension)
     ws = tp_workspace.get(group)
-    ops.fused(q, k, q_weight, k_weight, ws.counters, ws.peer_buffers, ws.status.data_ptr(),
-                                        ws.rank, ws.capacity, eps, weight_offset, hf, version)
+    ops.fused(q, k, q_weight, k_weight, ws.counters, ws.peer_buffers, ws.status.data_ptr(), ws.rank, ws.capacity, eps,
+              weight_offset, rounding == "hf")
 
 
-class _TpOps:
-    """torch.ops.cookbook.<prefix>_<name>: one of the two tp_qk_norm extensions' ops."""
+def tp_qk_norm_nccl(q, k, q_weight, k_weight, eps, weight_offset, rounding, group, *, extension: Extension):
+    """The three-launch NCCL path, from rung 1's kernels (in rung 1's extension or the tuned one)."""
+    from cookbook.ops.tp_qk_norm import NUM_TENSORS, all_reduce_sum, world_of
 
-    def __init__(self, prefix: str):
-        self.prefix = prefix
+    ops = TpOps(extension)
+    tp = world_of(group)[1]
+    sum_sq = torch.empty((q.shape[0], NUM_TENSORS), dtype=torch.float32, device=q.device)
+    ops.sum_sq(q, k, sum_sq)
+    all_reduce_sum(sum_sq, group)
+    ops.apply(q, k, q_weight, k_weight, sum_sq, eps, weight_offset, q.shape[1] * tp, k.shape[1] * tp, rounding == "hf")
 
-    def __getattr__(self, name: str):
-        return getattr(torch.ops.cookbook, f"{self.prefix}_{name}")
+
+class TpOps:
+    """torch.ops.cookbook.<extension>_<step>: a tp_qk_norm extension's ops, built on first use."""
+
+    def __init__(self, extension: Extension):
+        self.extension = extension
+        if extension.name not in BUILDS:
+            with _build_environment(jobs=os.cpu_count() or 1):
+                _load(extension)
+
+    def __getattr__(self, step: str):
+        return getattr(torch.ops.cookbook, f"{self.extension.name}_{step}")
+
+
+def tp_tuned() -> Extension:
+    """tp_qk_norm's tuned extension: what backend="cuda"/"auto", the NCCL fallback and an abstaining rank run."""
+    return Extension("tp_qk_norm", "tp_qk_norm/tuned.cuh")
 
 
 def tp_absent(ws) -> None:
     """The launch of a rank that does not take part in a call (`cookbook.tp_workspace.abstain`),
-    from the tuned extension (the same protocol as every fused version)."""
-    _TpOps(load_tp(tp_tuned_version())).absent(ws.counters, ws.peer_buffers, ws.status.data_ptr(), ws.rank, ws.capacity)
+    from the tuned extension (the same protocol as every fused kernel)."""
+    TpOps(tp_tuned()).absent(ws.counters, ws.peer_buffers, ws.status.data_ptr(), ws.rank, ws.capacity)

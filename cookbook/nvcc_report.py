@@ -74,7 +74,7 @@ def _demangle(names: list[str]) -> list[str]:
 
 # The host launchers a header's binding calls (taking their address instantiates every kernel);
 # `launch` unless listed.
-ENTRY_POINTS = {"tp_qk_norm": ("sum_sq", "apply", "fused")}
+ENTRY_POINTS: dict[str, tuple[str, ...]] = {}  # older layout: the entry points a header unit keeps
 
 
 def _report_cache(op: str, arch: str, unit_text: str, compiler: str) -> Path:
@@ -180,16 +180,6 @@ def torch_includes(scratch: Path) -> list[Path]:
     return paths
 
 
-def compile_tp_tuned(arch: str = DEFAULT_ARCH) -> list[KernelResources]:
-    """Compile the kernel units of tp_qk_norm's tuned extension (`cookbook.cuda.load_tp`: v1 and the
-    tuned version, every dtype and rounding) as one nvcc unit; raise with nvcc's output on failure."""
-    from cookbook import cuda
-
-    units = cuda._tp_tuned_units()
-    text = "".join(text for name, text in units.items() if name != "binding.cu")
-    return parse_ptxas(_compile_unit(cuda.TP_TUNED, text, arch))
-
-
 def compile_binding(op: str, arch: str = DEFAULT_ARCH, unit_text: str | None = None) -> None:
     """Compile (not link) the torch binding `kernels_cuda/bindings/<op>.cu` with nvcc alone, as CI
     does without a GPU; raise with nvcc's output on failure."""
@@ -200,7 +190,7 @@ def compile_binding(op: str, arch: str = DEFAULT_ARCH, unit_text: str | None = N
         raise RuntimeError("nvcc not found on PATH")
     with tempfile.TemporaryDirectory() as tmp:
         source = KERNEL_DIR / "bindings" / f"{op}.cu"
-        if unit_text is not None:  # a unit that includes the binding (tp_qk_norm's tuned extension)
+        if unit_text is not None:  # a unit that includes the binding
             source = Path(tmp) / "binding.cu"
             source.write_text(unit_text)
         includes = [KERNEL_DIR, *torch_includes(Path(tmp)), sysconfig.get_paths()["include"]]

@@ -4,7 +4,7 @@ failures that end a group's use.
 Each rank allocates one buffer of 64-bit words with PyTorch's symmetric memory
 (`torch.distributed._symmetric_memory`), and the rendezvous hands every rank the addresses of
 every peer's buffer, mapped into its own address space (CUDA IPC over NVLink/P2P). The fused
-kernel (kernels_cuda/tp_qk_norm.cuh, v2 on) then *stores* its partial sums straight into the
+kernel (kernels_cuda/tp_qk_norm/, v2 on) then *stores* its partial sums straight into the
 peers' buffers: no NCCL call, no extra launch. Multicast (NVLS) is never used.
 
 Buffer layout, per rank (words of 64 bits; `world` = the group's size)::
@@ -73,7 +73,7 @@ HEADER_FIELDS = ("tokens", "shard widths", "eps", "weight_offset", "math")
 HEADER_WORDS = len(HEADER_FIELDS)
 TOKENS, WIDTHS, EPS, WEIGHT_OFFSET, MATH = range(HEADER_WORDS)
 WIDTH_SHIFT = 16  # WIDTHS: (q shard width / 2) << 16 | (k shard width / 2)
-# MATH: dtype (2 bits), rounding == "hf", each weight in float32, the version (8 bits), the call number (16 bits)
+# MATH: dtype (2 bits), rounding == "hf", each weight in float32, the implementation (8 bits: a rung's number, 0 tuned), the call number (16 bits)
 MATH_DTYPE_SHIFT, MATH_HF_BIT, MATH_Q_WEIGHT_FP32_BIT, MATH_K_WEIGHT_FP32_BIT = 0, 2, 3, 4
 MATH_VERSION_SHIFT, MATH_CALL_SHIFT = 8, 16
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the kernel's DType codes 0, 1, 2
@@ -172,7 +172,7 @@ def failure(group) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# The header, as the kernel writes it (call_header in kernels_cuda/tp_qk_norm.cuh), and in words.
+# The header, as the kernel writes it (call_header in kernels_cuda/tp_qk_norm/params.h), and in words.
 # --------------------------------------------------------------------------------------------
 def float_bits(value: float) -> int:
     return struct.unpack("<I", struct.pack("<f", value))[0]
@@ -192,11 +192,16 @@ def header(tokens, q_width, k_width, eps, weight_offset, dtype, rounding, q_weig
     return (tokens, (q_width // 2) << WIDTH_SHIFT | k_width // 2, float_bits(eps), float_bits(weight_offset), math_word)
 
 
+def _implementation_name(number: int) -> str:
+    """The header's implementation (params.h): a rung's number, 0 for the tuned kernel."""
+    return "cuda_tuned" if number == 0 else f"cuda_v{number}"
+
+
 def _math_fields(word: int) -> dict:
     return {"dtype": DTYPES[word >> MATH_DTYPE_SHIFT & 3], "rounding": "hf" if word >> MATH_HF_BIT & 1 else "fused",
             "q_weight_shard dtype": "float32" if word >> MATH_Q_WEIGHT_FP32_BIT & 1 else "the activation dtype",
             "k_weight_shard dtype": "float32" if word >> MATH_K_WEIGHT_FP32_BIT & 1 else "the activation dtype",
-            "backend": f"cuda_v{word >> MATH_VERSION_SHIFT & 0xFF}", "call": word >> MATH_CALL_SHIFT}
+            "backend": _implementation_name(word >> MATH_VERSION_SHIFT & 0xFF), "call": word >> MATH_CALL_SHIFT}
 
 
 def differing_field(word: int, ours: int, theirs: int) -> tuple[str, str, object, object]:

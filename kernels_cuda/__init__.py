@@ -57,6 +57,8 @@ class Extension:
     def kernel_units(self) -> dict[str, str]:
         """{file name: source} of the nvcc units: one launcher each (and, for the tuned kernel, the
         explain function of the same dtype and rounding)."""
+        if self.op == "tp_qk_norm":
+            return self._tp_kernel_units()
         units = {}
         for dtype in DTYPES:
             for rounding in ROUNDINGS:
@@ -74,9 +76,57 @@ class Extension:
     def binding_unit(self) -> str:
         """The source of the host unit: the op's glue, registering ``cookbook::<name>`` (and
         ``cookbook::<name>_explain`` for the tuned kernel)."""
+        if self.op == "tp_qk_norm":
+            return self._tp_binding_unit()
         unit = f'#include "{self.op}/binding.h"\nCOOKBOOK_{self.op.upper()}_EXTENSION({self.name}, {self.namespace})\n'
         if self.explains:
             unit += f"COOKBOOK_{self.op.upper()}_EXPLAIN({self.name}, {self.namespace})\n"
+        return unit
+
+    # tp_qk_norm, a collective, registers a torch op per step of the call it runs
+    # (tp_qk_norm/binding.h): rung 1 its two steps around the host's all-reduce (``<name>_sum_sq``,
+    # ``<name>_apply``), the fused rungs ``<name>_fused``, the tuned kernel all of them, its absent
+    # launch and its explain.
+    @property
+    def tp_steps(self) -> tuple[str, ...]:
+        """The torch ops of a tp_qk_norm extension, after ``<name>_``."""
+        if self.stem == "v1":
+            return ("sum_sq", "apply")
+        if self.stem == "tuned":
+            return ("sum_sq", "apply", "fused", "absent", "explain")
+        return ("fused",)
+
+    def _tp_kernel_units(self) -> dict[str, str]:
+        ns, op = self.namespace, "cookbook::tp_qk_norm"
+        units = {}
+        for dtype in DTYPES:
+            for rounding in ROUNDINGS:
+                d, r = f"cookbook::DType::{dtype}", f"cookbook::Rounding::{rounding}"
+                lines = [f'#include "{self.kernel}"']
+                if "fused" in self.tp_steps:
+                    lines.append(f"template cudaError_t {ns}::launch<{d}, {r}>(const {op}::FusedParams&, cudaStream_t);")
+                if "apply" in self.tp_steps:
+                    lines.append(f"template cudaError_t {ns}::launch_apply<{d}, {r}>(const {op}::ApplyParams&, cudaStream_t);")
+                    if rounding == "kFused":
+                        lines.append(f"template cudaError_t {ns}::launch_sum_sq<{d}>(const {op}::Params&, float*, cudaStream_t);")
+                if "explain" in self.tp_steps:
+                    lines.append(f"template std::string {ns}::explain<{d}, {r}>(const {op}::FusedParams&);")
+                if "absent" in self.tp_steps and dtype == "kFloat32" and rounding == "kFused":
+                    lines.append(f"template cudaError_t {ns}::absent<{d}>({op}::FusedParams, cudaStream_t);")
+                units[f"{dtype[1:].lower()}_{rounding[1:].lower()}.cu"] = "\n".join(lines) + "\n"
+        return units
+
+    def _tp_binding_unit(self) -> str:
+        unit = '#include "tp_qk_norm/binding.h"\n'
+        implementation = 0 if self.stem == "tuned" else int(self.stem[1:])  # the header's (params.h)
+        if "apply" in self.tp_steps:
+            unit += f"COOKBOOK_TP_QK_NORM_PIPELINE({self.name}, {self.namespace})\n"
+        if "fused" in self.tp_steps:
+            unit += f"COOKBOOK_TP_QK_NORM_FUSED({self.name}, {self.namespace}, {implementation})\n"
+        if "absent" in self.tp_steps:
+            unit += f"COOKBOOK_TP_QK_NORM_ABSENT({self.name}, {self.namespace})\n"
+        if "explain" in self.tp_steps:
+            unit += f"COOKBOOK_TP_QK_NORM_EXPLAIN({self.name}, {self.namespace})\n"
         return unit
 
     def dependencies(self) -> list[Path]:

@@ -829,8 +829,9 @@ def test_a_rank_that_never_calls_makes_the_others_fail_in_bounded_time(pool):
 
 
 def _header_constants():
-    """{name: value} of the kernel header's integer constants of the protocol."""
-    text = (Path(__file__).resolve().parents[1] / "kernels_cuda" / "tp_qk_norm.cuh").read_text()
+    """{name: value} of the integer constants of the protocol (kernels_cuda/tp_qk_norm/params.h, exchange.cuh)."""
+    folder = Path(__file__).resolve().parents[1] / "kernels_cuda" / "tp_qk_norm"
+    text = (folder / "params.h").read_text() + (folder / "exchange.cuh").read_text()
     return {m.group(1): int(m.group(2), 0) for m in
             re.finditer(r"constexpr (?:int|uint32_t) (k\w+) = (0x[0-9a-f]+|\d+)u?;", text)}
 
@@ -844,7 +845,7 @@ def test_protocol_constants_match_the_kernel():
     assert (k["kHeaderTokens"], k["kHeaderWidths"], k["kHeaderEps"], k["kHeaderOffset"], k["kHeaderMath"],
             k["kHeaderWords"]) == (w.TOKENS, w.WIDTHS, w.EPS, w.WEIGHT_OFFSET, w.MATH, w.HEADER_WORDS)
     assert (k["kWidthShift"], k["kMathDTypeShift"], k["kMathHfBit"], k["kMathQWeightFp32Bit"],
-            k["kMathKWeightFp32Bit"], k["kMathVersionShift"], k["kMathCallShift"], k["kAbsent"]) == \
+            k["kMathKWeightFp32Bit"], k["kMathImplementationShift"], k["kMathCallShift"], k["kAbsent"]) == \
         (w.WIDTH_SHIFT, w.MATH_DTYPE_SHIFT, w.MATH_HF_BIT, w.MATH_Q_WEIGHT_FP32_BIT, w.MATH_K_WEIGHT_FP32_BIT,
          w.MATH_VERSION_SHIFT, w.MATH_CALL_SHIFT, w.ABSENT)
     assert [k[f"k{n}Counter"] for n in ("Epoch", "Done", "Failed", "GaveUp", "WaitLimit")] == \
@@ -895,8 +896,8 @@ def _reported(kind, word, ours, theirs, peer=1):
     ("math", dict(dtype=torch.bfloat16), dict(dtype=torch.float16), "q_shard", "the same dtype"),
     ("math", dict(k_weight_dtype=torch.float32), dict(), "k_weight_shard",
      "the same dtype (float32 or the activation dtype) on every rank"),
-    ("math", dict(version=12), dict(version=11), "backend", "the same implementation on every rank of the group "
-                                                            "(tp=2); an earlier fused tp_qk_norm call had cuda_v12"),
+    ("math", dict(version=7), dict(version=6), "backend", "the same implementation on every rank of the group "
+                                                            "(tp=2); an earlier fused tp_qk_norm call had cuda_v7"),
     ("math", dict(call_number=7), dict(call_number=6), "tp_qk_norm", "the same sequence of calls"),
 ])
 def test_fused_reports_name_the_argument(word, ours, theirs, argument, fragment):
@@ -905,7 +906,7 @@ def test_fused_reports_name_the_argument(word, ours, theirs, argument, fragment)
     from cookbook import tp_workspace as w
 
     call = dict(tokens=4, q_width=128, k_width=64, eps=1e-6, weight_offset=0.0, dtype=torch.bfloat16,
-                rounding="fused", q_weight_dtype=torch.bfloat16, k_weight_dtype=torch.bfloat16, version=12)
+                rounding="fused", q_weight_dtype=torch.bfloat16, k_weight_dtype=torch.bfloat16, version=7)
     i = w.HEADER_FIELDS.index(word)
     error, message, ended = _reported(w.MISMATCH, i, w.header(**{**call, **ours})[i], w.header(**{**call, **theirs})[i])
     assert error is ValueError and message.startswith(f"{argument}: expected") and fragment in message, message
@@ -927,31 +928,12 @@ def test_fused_reports_of_absent_peers_and_of_giving_up():
 
 
 # ==========================================================================================
-# The benchmark's reading of its own sweeps (no GPU): v12's table rows, the published comparison
+# The benchmark's reading of its own sweeps (no GPU): the published comparison
 # ==========================================================================================
 def _sweep_rows(times, widths=(6144, 1024)):
     """Result rows of a sweep: {(impl, tokens): us}."""
     return [dict(impl=impl, shape=[tokens, *widths], label=f"T={tokens}", median_us=us, p20_us=us, p80_us=us,
                  slowest_us=us, method="graph", error="") for (impl, tokens), us in times.items()]
-
-
-def test_propose_dispatch_reads_the_fastest_family_per_token_count(tmp_path):
-    """Held rows win at decode, token rows at 4 and 16 tokens per SM, v9's walk loses to v6's tiles at
-    the largest count: the row is {2, 16, false}; token rows losing everywhere give 0."""
-    from cookbook.bench import tp as bench_tp
-
-    times = {("cuda_v10", 1): 3.0, ("cuda_v11", 1): 3.2, ("cuda_v10", 128): 4.0, ("cuda_v11", 128): 4.1,
-             ("cuda_v6", 512): 9.0, ("cuda_v11", 512): 7.0, ("cuda_v10", 512): 9.0,
-             ("cuda_v6", 2048): 12.0, ("cuda_v9", 2048): 11.0, ("cuda_v11", 2048): 9.0,
-             ("cuda_v6", 16384): 40.0, ("cuda_v9", 16384): 44.0, ("cuda_v11", 16384): 50.0}
-    meta = dict(sm_count=132, world=4, gpu="NVIDIA H200", commit="abc1234", timing_mode="graph")
-    page = tmp_path / "tp_qk_norm_h200x4.json"
-    page.write_text(json.dumps({"metadata": meta, "rows": _sweep_rows(times)}))
-    report = bench_tp.propose_dispatch([page])
-    assert report.splitlines()[-1] == "  kDispatchByWorld[4] = {2, 16, false}", report
-    slower = {k: (v * 2 if k[0] == "cuda_v11" else v) for k, v in times.items()}
-    page.write_text(json.dumps({"metadata": meta, "rows": _sweep_rows(slower)}))
-    assert bench_tp.propose_dispatch([page]).splitlines()[-1] == "  kDispatchByWorld[4] = {2, 0, false}"
 
 
 def test_pages_set_the_latest_version_beside_the_published_figures():
@@ -960,12 +942,12 @@ def test_pages_set_the_latest_version_beside_the_published_figures():
     same method; the back-to-back table names rank 0's and the slowest rank's means."""
     from cookbook.bench import tp as bench_tp
 
-    latest = registry.latest(OP, "cuda").name
-    times = {(latest, 1): 2.86, ("cuda_v10", 1): 2.5, (bench_tp.LOCAL_SHARD, 1): 1.5, (latest, 2048): 8.4}
+    latest = registry.fastest(OP).name
+    times = {(latest, 1): 2.86, ("cuda_v6", 1): 2.5, (bench_tp.LOCAL_SHARD, 1): 1.5, (latest, 2048): 8.4}
     rows = _sweep_rows(times)
     text = bench_tp.published_comparison(rows, dict(world=4, gpu="NVIDIA H200", timing_mode=bench_tp.BACK_TO_BACK))
     assert "the same GPUs and TP; this page's timing: the same method" in text, text
-    assert f"| 1      | 2.6          | 2.86 (1.10x)" in text and "cuda_v10 2.50" in text and "1.50" in text, text
+    assert f"| 1      | 2.6          | 2.86 (1.10x)" in text and "cuda_v6 2.50" in text and "1.50" in text, text
     assert "| 2048" in text and "| 128 " not in text, text
     other = bench_tp.published_comparison(rows, dict(world=2, gpu="NVIDIA H100", timing_mode=bench_tp.GRAPH))
     assert "not like for like: 2 x NVIDIA H100 here" in other and "graph replays after a barrier" in other
@@ -1033,6 +1015,12 @@ def test_bench_tokens_that_are_not_positive_counts_are_refused(tokens, capsys):
 
 
 def test_the_tuned_extension_holds_what_backend_cuda_runs():
-    from cookbook import cuda, registry
+    """backend="cuda" runs the tuned kernel; its extension also holds the NCCL path and the absent
+    launch, so that neither builds another extension."""
+    from cookbook import api, cuda, registry
 
-    assert cuda.tp_tuned_version() == registry.fastest("tp_qk_norm").version == registry.latest("tp_qk_norm", "cuda").version
+    tuned = registry.fastest("tp_qk_norm")
+    assert tuned.level == "tuned" and tuned.extension == cuda.tp_tuned() == api.NCCL_FALLBACK.extension
+    assert set(cuda.tp_tuned().tp_steps) == {"sum_sq", "apply", "fused", "absent", "explain"}
+    assert api.is_fused(tuned) and not api.is_fused(api.NCCL_FALLBACK)
+    assert not api.is_fused(registry.get("tp_qk_norm", "cuda_v1")) and api.is_fused(registry.get("tp_qk_norm", "cuda_v2"))

@@ -14,9 +14,9 @@ world size after a full run). What it proves:
    public op agree with the matching columns of the gathered float64 reference: dtypes, both
    roundings, float32 weights, fused-qkv views, unaligned views (the one-element path), T = 0;
    the NCCL pipeline (cuda_v1) takes its 16-byte kernels on both grids, and its element-wise ones
-   where the shard is not 16-byte aligned; cuda_v10 takes its held-row decode kernel exactly where
-   it fits, cuda_v7 to cuda_v9 their lagged walk, cuda_v11 its token-row kernel wherever the row
-   pair fits, cuda_v12 the kernel its table names for the world size;
+   where the shard is not 16-byte aligned; cuda_v5 takes its lagged walk where a chunk has a token
+   per resident CTA, cuda_v6 its token-row kernel wherever the row pair fits, cuda_tuned the kernel
+   its policy names (kernels_cuda/tp_qk_norm/policy.h) for the world size and tokens per SM;
 2. 1000 consecutive fused calls with varying T and fresh inputs stay correct (buffer reuse);
 3. 8 calls captured in one CUDA graph and replayed (twice, inputs refreshed) stay correct;
 4. eps=0 with all-zero rows finishes and gives zeros;
@@ -178,19 +178,17 @@ def replay_and_check(label, call, shards, fulls, rank, world, replays=2):
 
 
 def check_lagged_dispatch(rank, world):
-    """cuda_v7, cuda_v8 and cuda_v9 run their lagged persistent kernel on chunks with at least a
-    token per resident CTA (about 660-924 at the MiniMax shard on a 132-SM GPU) and v6's kernels on
-    smaller ones; calls of both kinds back to back stay correct."""
-    for name in ("cuda_v7", "cuda_v8", "cuda_v9"):
+    """cuda_v5 runs its lagged persistent walk on chunks with at least a token per resident CTA
+    (about 660-924 at the MiniMax shard on a 132-SM GPU) and v4's tiles on smaller ones; calls of
+    both kinds back to back stay correct."""
+    for name in ("cuda_v5",):
         impl = registry.get(tp.OP, name)
         # 1500: some CTAs have one token, fewer than the lag (steps that neither sum nor finish);
-        # shards of 1024/256: 2 vectors per thread in bf16 (v8's held weights there);
-        # shards of 6144/1024: 8 vectors per thread (v9's shared weights, v7's kernel in v8).
+        # shards of 1024/256: 2 vectors per thread in bf16; 6144/1024: 8 vectors per thread.
         # Those two are given as shard widths, so that a group of one (torchrun --nproc-per-node 1)
         # checks the same kernels as two ranks.
-        # (tokens, q shard, k shard): the TP=2 MiniMax shard at 4000, 512 (v6's kernels) and 1500
-        # tokens; 9000 x 256/128 (a chunk of 8192: lagged, one of 808: v6's); 1024/256 (2 vectors
-        # per thread); 6144/1024 (8: v9's shared weights, v7's kernel in v8)
+        # (tokens, q shard, k shard): the TP=2 MiniMax shard at 4000, 512 (v4's tiles) and 1500
+        # tokens; 9000 x 256/128 (a chunk of 8192: lagged, one of 808: v4's tiles)
         for t, q_shard, k_shard, expect in ((4000, *TP2_SHARD, {True}), (512, *TP2_SHARD, {False}),
                                             (1500, *TP2_SHARD, {True}), (9000, 256, 128, {True, False}),
                                             (3000, 1024, 256, {True}), (2000, 6144, 1024, {True}),
@@ -243,56 +241,8 @@ def check_pipeline_paths(rank, world):
         check_shards(f"cuda_v1 element-wise T={t} shard {q_shard}/{k_shard}", shard, full_inputs, rank, world)
 
 
-def held_kernel_expected(t, q_shard, k_shard, element_size, sms):
-    """Where cuda_v10's launcher picks the held-row kernel (kernels_cuda/tp_qk_norm.cuh: the decode
-    kernel's tiling, then held_rows_fit), for a fused-qkv shard of `t` tokens."""
-    vec = 16 // element_size  # elements per 16-byte vector
-    if any(width % vec for width in (q_shard, k_shard, q_shard + 2 * k_shard)):
-        return False  # not 16-byte aligned: the element-wise kernels
-    row_pair_bytes = (q_shard + k_shard) * element_size
-    tile_bytes, max_tokens_per_cta, warps, lanes, held_packs = 48 * 1024, 8, 8, 32, 8
-    if row_pair_bytes > tile_bytes:
-        return False
-    tokens_per_cta = max(1, min(tile_bytes // row_pair_bytes, max_tokens_per_cta, -(-t // sms)))
-    rows = 2 * tokens_per_cta
-    slices = warps // rows if rows < warps else 1
-    return slices > 1 and max(q_shard, k_shard) // vec <= held_packs * slices * lanes
-
-
-def check_held_dispatch(rank, world):
-    """cuda_v10 runs its held-row decode kernel where warps share rows (up to two tokens per CTA)
-    and a lane's share of the wider row fits its registers, and v9's kernels elsewhere; every
-    dtype and weight storage, both roundings, against the reference."""
-    impl = registry.get(tp.OP, "cuda_v10")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # (tokens, q shard, k shard). 2 * sms tokens: two per CTA; 3 * sms: three (a warp per row, v9's
-    # kernel); 8192- and 10240-wide shard rows (1024 and 1280 bf16 packs for 128 lanes); 50/18:
-    # even widths that are not whole vectors
-    cases = with_minimax([(1, *TP2_SHARD), (128, *TP2_SHARD), (2 * sms, *TP2_SHARD), (3 * sms, *TP2_SHARD),
-                          (5, 8192, 512), (3, 10240, 512), (1, 50, 18)], (1, 128))
-    seen = set()
-    for t, q_shard, k_shard in cases:
-        for dtype in DTYPES:
-            for rounding in ("fused", "hf"):
-                for weight_dtype in (None, torch.float32):
-                    full_inputs = tp.make_full_inputs(*full(t, q_shard, k_shard), dtype, "cuda", seed=70 + t,
-                                                      weight_dtype=weight_dtype)
-                    shard = tp.shard_of(full_inputs, rank, world)
-                    names = kernels_run(lambda: run(impl.fn, shard, rounding=rounding))
-                    held = any("fused_held_kernel" in n for n in names)
-                    expect = held_kernel_expected(t, q_shard, k_shard, full_inputs["q"].element_size(), sms)
-                    seen.add(expect)
-                    if held != expect:
-                        failures.append(f"cuda_v10 T={t} shard {q_shard}/{k_shard} {dtype}: expected held={expect}, "
-                                        f"kernels {sorted(names)}")
-                    check_shards(f"cuda_v10 held T={t} shard {q_shard}/{k_shard} {dtype} {rounding} w={weight_dtype}",
-                                 shard, full_inputs, rank, world, rounding=rounding)
-    if seen != {True, False}:
-        failures.append(f"check_held_dispatch: the cases cover only held={seen}")
-
-
 def token_rows_fit(q_shard, k_shard, element_size):
-    """Whether v11's token-row kernel takes a 16-byte aligned fused-qkv shard (kernels_cuda/tp_qk_norm.cuh:
+    """Whether v6's token-row kernel takes a 16-byte aligned fused-qkv shard (v6_cta_per_token.cuh:
     launch_token_rows, at most 4 vectors for each of at most 256 threads)."""
     vec = 16 // element_size
     aligned = all(width % vec == 0 for width in (q_shard, k_shard, q_shard + 2 * k_shard))
@@ -300,10 +250,10 @@ def token_rows_fit(q_shard, k_shard, element_size):
 
 
 def check_token_rows_dispatch(rank, world):
-    """cuda_v11 runs its token-row kernel at every token count where the row pair fits (one to four
-    vectors per thread), v10's kernels elsewhere; a CTA that walks several tokens (more tokens
+    """cuda_v6 runs its token-row kernel at every token count where the row pair fits (one to four
+    vectors per thread), v5's path elsewhere; a CTA that walks several tokens (more tokens
     than resident CTAs), every dtype and weight storage, a graph capture of two calls."""
-    impl = registry.get(tp.OP, "cuda_v11")
+    impl = registry.get(tp.OP, "cuda_v6")
     cases = with_minimax([(1, *TP2_SHARD), (300, 1536, 256), (4000, *TP2_SHARD), (2, 8192, 512), (7, 50, 18),
                           (9000, 256, 128)], (1, 128, 2048, 4000))
     seen = set()
@@ -318,49 +268,48 @@ def check_token_rows_dispatch(rank, world):
                 expect = token_rows_fit(q_shard, k_shard, full_inputs["q"].element_size())
                 seen.add(expect)
                 if rows != expect:
-                    failures.append(f"cuda_v11 T={t} shard {q_shard}/{k_shard} {dtype}: expected token rows={expect}, "
+                    failures.append(f"cuda_v6 T={t} shard {q_shard}/{k_shard} {dtype}: expected token rows={expect}, "
                                     f"kernels {sorted(names)}")
-                check_shards(f"cuda_v11 T={t} shard {q_shard}/{k_shard} {dtype} {rounding} w={weight_dtype}", shard,
+                check_shards(f"cuda_v6 T={t} shard {q_shard}/{k_shard} {dtype} {rounding} w={weight_dtype}", shard,
                              full_inputs, rank, world, rounding=rounding)
     if seen != {True, False}:
         failures.append(f"check_token_rows_dispatch: the cases cover only token rows={seen}")
     fulls = [tp.make_full_inputs(*full(t, *TP2_SHARD), torch.bfloat16, "cuda", seed=120 + t) for t in (3, 4000)]
     shards = [tp.shard_of(f, rank, world) for f in fulls]
-    replay_and_check("cuda_v11 graph", lambda sh: run(impl.fn, sh), shards, fulls, rank, world)
+    replay_and_check("cuda_v6 graph", lambda sh: run(impl.fn, sh), shards, fulls, rank, world)
 
 
-def dispatch_table():
-    """kDispatchByWorld of kernels_cuda/tp_qk_norm.cuh: [(held_rows, token_rows, lagged_prefill)] by world."""
-    text = (Path(__file__).resolve().parents[1] / "kernels_cuda" / "tp_qk_norm.cuh").read_text()
-    body = text[text.index("kDispatchByWorld[kMaxRanks + 1] = {"):]
-    body = body[:body.index("};")]
-    return [(int(a), int(b), c == "true") for a, b, c in re.findall(r"\{(\d+), (\d+), (true|false)\}", body)]
+def lean_fits(q_shard, k_shard, element_size):
+    """Whether v7's lean kernel takes a 16-byte aligned fused-qkv shard (one thread per vector, at most 1024)."""
+    vec = 16 // element_size
+    aligned = all(width % vec == 0 for width in (q_shard, k_shard, q_shard + 2 * k_shard))
+    return aligned and (q_shard + k_shard) // vec <= 1024
 
 
-def check_table_dispatch(rank, world):
-    """cuda_v12 runs the kernel its table names for this world size, in tokens per SM: v10's held
-    rows (v6's decode kernel where they do not fit), v11's token rows, then v9's lagged walk or
-    v6's tiles; against the reference."""
-    impl = registry.get(tp.OP, "cuda_v12")
+def check_tuned_dispatch(rank, world):
+    """cuda_tuned runs the kernel its policy names (policy.h: kPolicy) for this world size, in tokens
+    per SM: v7's lean kernel up to lean_tokens_per_sm, then v5's walk (world <= lagged_max_world,
+    at least a token per resident CTA) or v4's tiles; against the reference."""
+    impl = registry.get(tp.OP, "cuda_tuned")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    held_rows, token_rows, lagged = dispatch_table()[world]
+    text = (Path(__file__).resolve().parents[1] / "kernels_cuda" / "tp_qk_norm" / "policy.h").read_text()
+    policy = re.search(r"kPolicy\{\.lean_tokens_per_sm = (\d+), \.lagged_max_world = (\d+)\}", text)
+    lean_tokens_per_sm, lagged_max_world = int(policy.group(1)), int(policy.group(2))
     shard = minimax_shard() or TP2_SHARD
-    for t in (1, 128, 2 * sms + 1, 3 * sms, 8 * sms, 4000):
+    for t in (1, 128, 2 * sms + 1, lean_tokens_per_sm * sms, lean_tokens_per_sm * sms + 1, 8 * sms, 4000):
         full_inputs = tp.make_full_inputs(*full(t, *shard), torch.bfloat16, "cuda", seed=130 + t)
         sh = tp.shard_of(full_inputs, rank, world)
         names = [n for n in kernels_run(lambda: run(impl.fn, sh)) if "tp_qk_norm" in n]
         per_sm = -(-t // sms)
-        if per_sm <= held_rows:
-            expect = "fused_held_kernel" if held_kernel_expected(t, *shard, 2, sms) else "fused_v3_kernel"
-        elif per_sm <= token_rows and token_rows_fit(*shard, 2):
-            expect = "token_rows_kernel"
-        elif lagged:  # the walk where the chunk has a token per resident CTA: 4000 is above them at these shards
+        if per_sm <= lean_tokens_per_sm and lean_fits(*shard, 2):
+            expect = "lean_rows_kernel"
+        elif world <= lagged_max_world:  # the walk where the chunk has a token per resident CTA: 4000 is above them
             expect = "lagged_rows_kernel" if t >= 4000 else None
         else:
             expect = "fused_kernel" if per_sm > 2 else None
         if expect is not None and not any(expect + "<" in n for n in names):
-            failures.append(f"cuda_v12 at tp={world}, T={t} ({per_sm} per SM): expected {expect}, kernels {names}")
-        check_shards(f"cuda_v12 T={t} shard {shard}", sh, full_inputs, rank, world)
+            failures.append(f"cuda_tuned at tp={world}, T={t} ({per_sm} per SM): expected {expect}, kernels {names}")
+        check_shards(f"cuda_tuned T={t} shard {shard}", sh, full_inputs, rank, world)
 
 
 def check_reuse(rank, world, calls):
@@ -439,7 +388,7 @@ def expect_in_step(rank, world, label):
 DISAGREEMENTS = (("eps", "eps", dict(eps=1e-5)), ("weight_offset", "weight_offset", dict(weight_offset=1.0)),
                  ("rounding", "rounding", dict(rounding="hf")), ("dtype", "q_shard", dict(dtype=torch.float16)),
                  ("weight storage", "k_weight_shard", dict(k_weight_fp32=True)),
-                 ("version", "backend", dict(impl="cuda_v11")))
+                 ("version", "backend", dict(impl="cuda_v6")))
 
 
 def check_disagreement(rank, world):
@@ -448,7 +397,7 @@ def check_disagreement(rank, world):
     argument (the header's words), on the fused path at the next call, on the NCCL path at once."""
     for what, name, change in DISAGREEMENTS:
         options = dict(eps=1e-6, weight_offset=0.0, rounding="fused", dtype=torch.bfloat16, k_weight_fp32=False,
-                       impl="cuda_v12")
+                       impl="cuda_v7")
         if rank % 2:
             options.update(change)
         full_inputs = tp.make_full_inputs(*full(130, *TP2_SHARD), options["dtype"], "cuda", seed=21)
@@ -643,8 +592,8 @@ def check_compile(rank, world):
 # the epoch of the fused kernel, which the public op does not launch in a group of one.
 MULTI_RANK_CHECKS = (check_mismatch, check_disagreement, check_rejection, check_leave_early, check_chunk_mismatch,
                      check_epoch_wrap)
-ALL_CHECKS = (check_agreement, check_pipeline_paths, check_held_dispatch, check_lagged_dispatch,
-              check_token_rows_dispatch, check_table_dispatch, check_reuse, check_graph, check_zero_rows,
+ALL_CHECKS = (check_agreement, check_pipeline_paths, check_lagged_dispatch,
+              check_token_rows_dispatch, check_tuned_dispatch, check_reuse, check_graph, check_zero_rows,
               check_mismatch, check_disagreement, check_rejection, check_leave_early, check_chunks,
               check_chunk_mismatch, check_epoch_wrap, check_compile)
 

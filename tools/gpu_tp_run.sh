@@ -16,15 +16,14 @@
 #     b2b        the sweep timed as SGLang's benchmark did (--timing back_to_back) at 1, 128, 2048
 #                and 16384 tokens: $PAGES/tp_qk_norm_<gpu>x<tp>_back_to_back.md
 #     sweep2     the sweep on 2 of the GPUs: $PAGES/tp_qk_norm_<gpu>x2.md
-#     propose    v12's dispatch rows that this call's sweeps give (cookbook.bench.tp --propose-dispatch)
 #   default: all of them; a stage that no longer fits the budget is skipped (env.txt says so), for
-#   a second call: bash tools/gpu_tp_run.sh <the skipped stages>,propose
+#   a second call: bash tools/gpu_tp_run.sh <the skipped stages>
 #
 # What comes back in $OUT (few files, so that a remote run can copy them back): env.txt (the machine, and
-# each stage's limit, exit status and time), propose.log, and results.tgz: the pages ($PAGES), one
+# each stage's limit, exit status and time) and results.tgz: the pages ($PAGES), one
 # log per stage (logs/) and the benchmark's JSON (bench_*/).
 set -uo pipefail
-stages=${1:-build,checks,sweep,sanitizer,checks2,b2b,sweep2,propose}
+stages=${1:-build,checks,sweep,sanitizer,checks2,b2b,sweep2}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$OUT" "$LOGS"
 BUDGET_S=${BUDGET_S:-470}; CHECKS=${CHECKS:-quick}; SHAPES=${SHAPES:-minimax}; PAGES=${PAGES:-$OUT/pages}
 export PYTHONUNBUFFERED=1 COOKBOOK_BUILD_DIR=${COOKBOOK_BUILD_DIR:-$PWD/build/cookbook}
@@ -57,10 +56,10 @@ stage() {
 }
 has() { [[ ",$stages," == *",$1,"* ]]; }
 ranks() { echo python3 -m torch.distributed.run --standalone --nproc-per-node="$1"; }  # (timeout runs no shell function)
-build='python3 -c "from cookbook import cuda; cuda.load(\"tp_qk_norm\")" & tp=$!
+build='python3 -c "from cookbook import cuda, registry; cuda.build([i.extension for i in registry.implementations(\"tp_qk_norm\", (\"cuda\", \"tuned\"))])" & tp=$!
 python3 -c "from cookbook import cuda, registry; cuda.load_extension(registry.get(\"cross_head_norm\", \"cuda_tuned\").extension)"; rc=$?; wait $tp && exit $rc'
 if [[ $SHAPES == full ]]; then rows=(); else  # every CUDA C version, the local shard, NCCL's all-reduce of the sums
-  rows=(--impls "$(python3 -c "from cookbook import registry; print(','.join([i.name for i in registry.implementations('tp_qk_norm', ('cuda',))] + ['local_cross_head_norm', 'nccl_all_reduce_sums']))")")
+  rows=(--impls "$(python3 -c "from cookbook import registry; print(','.join([i.name for i in registry.implementations('tp_qk_norm', ('cuda', 'tuned'))] + ['local_cross_head_norm', 'nccl_all_reduce_sums']))")")
 fi
 checks_args=(); [[ $CHECKS == quick ]] && checks_args=(--quick)
 
@@ -72,14 +71,10 @@ has sanitizer && stage sanitizer 100 compute-sanitizer --tool memcheck --report-
   --error-exitcode 3 $(ranks "$nproc") tests/tp_gpu_checks.py --small
 has checks2 && CUDA_VISIBLE_DEVICES=0,1 stage checks2 120 $(ranks 2) tests/tp_gpu_checks.py --quick
 has b2b && stage b2b 100 python3 -m cookbook.bench.tp --nproc "$nproc" --shapes minimax --tokens 1,128,2048,16384 \
-  --timing back_to_back --impls cuda_v5,cuda_v6,cuda_v9,cuda_v10,cuda_v11,cuda_v12,local_cross_head_norm \
+  --timing back_to_back --impls cuda_v4,cuda_v5,cuda_v6,cuda_v7,cuda_tuned,local_cross_head_norm \
   --results-dir "$PAGES" --out "$OUT/bench_b2b"
 has sweep2 && CUDA_VISIBLE_DEVICES=0,1 stage sweep2 200 python3 -m cookbook.bench.tp --nproc 2 --shapes "$SHAPES" \
   ${rows[@]+"${rows[@]}"} --results-dir "$PAGES" --out "$OUT/bench_sweep2"
-if has propose; then
-  ls "$PAGES"/tp_qk_norm_*x[0-9].json >/dev/null 2>&1 && \
-    python3 -m cookbook.bench.tp --propose-dispatch "$PAGES"/tp_qk_norm_*x[0-9].json 2>&1 | tee "$OUT/propose.log"
-fi
 echo "done in $((SECONDS - start))s, status $status" | tee -a "$OUT/env.txt"
 mkdir -p "$OUT/pages_all" && cp "$PAGES"/tp_qk_norm_* "$OUT/pages_all/" 2>/dev/null  # (PAGES may be docs/results)
 (cd "$OUT" && tar czf results.tgz logs bench_* pages_all 2>/dev/null)

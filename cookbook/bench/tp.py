@@ -34,10 +34,6 @@ replay, the mean replaces the median, and the input sets are LAYERS whatever the
 decode sizes every set stays in L2 in both methods). The results page of that mode is
 ``<op>_<gpu>x<tp>_back_to_back.md``.
 
-``--propose-dispatch PAGE.json ...`` reads the JSON of full sweeps and prints, per world size,
-which kernel family was fastest at each token count and the kDispatchByWorld row (v12's table in
-kernels_cuda/tp_qk_norm.cuh) those measurements give.
-
 The results pages go to ``<out>/pages`` (``--out``: bench_out); the pages of record that the docs
 link to with ``--results-dir docs/results``.
 
@@ -256,6 +252,18 @@ def calls_for(call_us: float, sets: int) -> int:
     return bench.calls_per_replay(sets, call_us) if call_us > 0 else sets
 
 
+def build_extensions(only=None) -> None:
+    """Every CUDA C extension of the rows to run, built at once (in parallel, each rank into the
+    same cache: the first builds, the others wait for its lock and load it)."""
+    from cookbook import cuda
+
+    wanted = [impl.extension for impl in registry.implementations(OP, ("cuda", "tuned"))
+              if only is None or impl.name in only]
+    for name, result in cuda.build(wanted).items():
+        if isinstance(result, Exception):
+            print(f"{name}: not built ({bench.error_text(result)})", flush=True)
+
+
 def run_shape(shape, dtype, rank, world, group, meta, only=None, timing=GRAPH, max_tokens=None) -> list[dict]:
     t, q_width, k_width = shape
     label = f"T={t} q={q_width} k={k_width} (shard {q_width // world}/{k_width // world})"
@@ -336,7 +344,7 @@ def fastest_version(timed: dict):
 def published_comparison(rows, meta) -> str:
     """The MiniMax-M2 rows at PUBLISHED_TP4_H200_US's token counts beside those figures, for the
     latest CUDA C version, the fastest CUDA C version of each shape and the local shard."""
-    latest = registry.latest(OP, "cuda").name
+    latest = registry.fastest(OP).name  # what backend="cuda" runs
     body = []
     for tokens, published in PUBLISHED_TP4_H200_US.items():
         mine = timed_at(rows, tokens)
@@ -367,7 +375,7 @@ def sglang_package() -> str:
 def sglang_comparison(rows) -> str:
     """SGLang's fused TP kernel against the latest CUDA C version (what backend="cuda" runs) and the
     fastest CUDA C version, at every shape both were timed in this run."""
-    latest = registry.latest(OP, "cuda").name
+    latest = registry.fastest(OP).name  # what backend="cuda" runs
     body = []
     for label in dict.fromkeys(r["label"] for r in rows):
         timed = {r["impl"]: r["median_us"] for r in rows if r["label"] == label and r["median_us"] is not None}
@@ -493,55 +501,6 @@ def metadata(command: str, dtype, world: int, timing_mode: str = GRAPH) -> dict:
     }
 
 
-# The kernel families of v12's table and the versions whose rows measure each (kernels_cuda/tp_qk_norm.cuh):
-# v10 runs its held-row kernel up to 2 tokens per SM, v11 its token rows wherever the row pair fits,
-# v6 its tiles above 2 tokens per SM, v9 its lagged walk where a chunk has a token per resident CTA.
-FAMILIES = {"held_rows": "cuda_v10", "token_rows": "cuda_v11", "tiles": "cuda_v6", "lagged": "cuda_v9"}
-HELD_MAX_TOKENS_PER_SM = 2
-LAGGED_MIN_TOKENS_PER_SM = 8  # v9's walk runs from a token per resident CTA: 7 or 8 per SM at the MiniMax shards
-
-
-def propose_dispatch(pages) -> str:
-    """Per world size, the fastest family at each MiniMax-M2 token count of the sweeps' JSON and the
-    kDispatchByWorld row they give: held rows up to the largest tokens per SM where they win,
-    token rows up to the largest where they win above that, lagged prefill where v9 beat v6 at
-    the largest token count."""
-    lines = []
-    for page in pages:
-        data = json.loads(page.read_text())
-        meta, rows = data["metadata"], data["rows"]
-        sms, world = meta["sm_count"], meta["world"]
-        times = {(r["impl"], r["shape"][0]): r["median_us"] for r in rows
-                 if r["median_us"] is not None and tuple(r["shape"][1:]) == MINIMAX_WIDTHS}
-        tokens = sorted({t for _, t in times})
-        held, token_rows, lagged = 0, 0, False
-        lines.append(f"{page.name}: {world} x {meta['gpu']} ({meta.get('timing_mode', GRAPH)}), commit {meta['commit']}")
-        for t in tokens:
-            per_sm = -(-t // sms)
-            candidates = {family: times.get((impl, t)) for family, impl in FAMILIES.items()}
-            if per_sm > HELD_MAX_TOKENS_PER_SM:
-                candidates.pop("held_rows")
-            else:
-                candidates.pop("tiles")  # v6's rows there are its decode kernel, not its tiles
-            if per_sm < LAGGED_MIN_TOKENS_PER_SM:
-                candidates.pop("lagged")  # v9's rows there are v6's kernels
-            found = {f: us for f, us in candidates.items() if us is not None}
-            if not found:
-                continue
-            winner = min(found, key=found.get)
-            lines.append(f"  T={t:6d} ({per_sm:4d} per SM): {winner:10s} "
-                         + ", ".join(f"{f} {us:.2f}" for f, us in sorted(found.items(), key=lambda kv: kv[1])))
-            if winner == "held_rows":  # up to its tiling's limit when it wins at the largest decode size measured
-                held = HELD_MAX_TOKENS_PER_SM if t == max(x for x in tokens if -(-x // sms) <= HELD_MAX_TOKENS_PER_SM) \
-                    else max(held, per_sm)
-            if winner == "token_rows" and per_sm > HELD_MAX_TOKENS_PER_SM:
-                token_rows = max(token_rows, per_sm)
-            if t == tokens[-1]:
-                lagged = found.get("lagged", float("inf")) < found.get("tiles", float("inf"))
-        lines.append(f"  kDispatchByWorld[{world}] = {{{held}, {token_rows}, {'true' if lagged else 'false'}}}")
-    return "\n".join(lines)
-
-
 def token_counts(text: str) -> list[int]:
     """`--tokens`: comma-separated token counts, each a positive integer."""
     try:
@@ -584,8 +543,6 @@ def arguments() -> argparse.ArgumentParser:
                         help=f"only these token counts, comma-separated (with --shapes {MINIMAX}: any count)")
     parser.add_argument("--timing", default=GRAPH, choices=(GRAPH, BACK_TO_BACK),
                         help=f"{BACK_TO_BACK}: SGLang's benchmark's method (the module docstring)")
-    parser.add_argument("--propose-dispatch", nargs="+", default=None, metavar="PAGE.json",
-                        help="print the dispatch table row per world size that these sweeps measured")
     parser.add_argument("--out", default=bench.DEFAULT_OUT, help="the run's JSON (default: %(default)s)")
     parser.add_argument("--results-dir", default=None,
                         help=f"where the results pages go (default: <out>/pages; the pages of record that the docs "
@@ -610,9 +567,6 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.impls.split(",")) - set(known)) if args.impls else []
     if unknown:
         parser.error(f"--impls: unknown row(s) {unknown}; expected names from {known}")
-    if args.propose_dispatch:
-        print(propose_dispatch([Path(p) for p in args.propose_dispatch]))
-        return 0
     if args.tour:
         if not under_torchrun():
             return launch_tour(args.nproc or DEFAULT_NPROC, args.dtype)
@@ -636,6 +590,7 @@ def main(argv=None) -> int:
     group = dist.group.WORLD
     dtype = bench.resolve_dtype(args.dtype or bench.DEFAULT_DTYPE)
     meta = metadata(args.command or "python -m cookbook.bench.tp", dtype, world, args.timing)
+    build_extensions(args.impls.split(",") if args.impls else None)
     rows = []
     try:
         shapes = bench_shapes(args.shapes, args.tokens)
