@@ -65,23 +65,6 @@ __device__ __forceinline__ CacheElem<T, kCache> cache_element(float x, float sca
   }
 }
 
-// e4m3's smallest subnormal is 2^-9, so a quotient under half of it, 2^-10, rounds to a signed
-// zero; a dividend under 2^-11 * |scale| (exact: a power of two) surely gives one.
-constexpr float kFp8ZeroBelow = 1.f / 2048.f;  // 2^-11
-static_assert(kFp8ZeroBelow * 2048.f == 1.f, "a power of two: scale * kFp8ZeroBelow is exact");
-
-// cache_element's FP8 byte, the same bits, for the one-pass kernels' stores: a quotient that must
-// round to zero is the signed zero without a division of x. The correctly rounded division takes a
-// slow path for tiny dividends (subnormal or near it), which tiny activations would otherwise pay
-// at every element; scale / scale stays on the fast path. (The copy kernel keeps the plain
-// division: its loop would hold a stack slot for the slow path's call.)
-__device__ __forceinline__ __nv_fp8_storage_t fp8_element(float x, float scale) {
-  const bool to_zero = fabsf(x) < kFp8ZeroBelow * fabsf(scale);
-  const float quotient = (to_zero ? scale : x) / scale;
-  return __nv_cvt_float_to_fp8(to_zero ? copysignf(0.f, x) * copysignf(1.f, scale) : quotient, __NV_SATFINITE,
-                               __NV_E4M3);
-}
-
 // An unsigned word of kBytes bytes: one store of kBytes FP8 elements.
 template <int kBytes>
 struct WordOf;
@@ -109,7 +92,7 @@ __device__ __forceinline__ void store_cache(CacheElem<T, kCache>* dst, const Vec
       float f[Vec<T>::kElems];
       unpack<T>(x[i], f);
 #pragma unroll
-      for (int j = 0; j < Vec<T>::kElems; ++j) bytes[i * Vec<T>::kElems + j] = fp8_element(f[j], scale);
+      for (int j = 0; j < Vec<T>::kElems; ++j) bytes[i * Vec<T>::kElems + j] = cache_element<T, kCache>(f[j], scale);
     }
     Word word;
     memcpy(&word, bytes, kBytes);  // register moves
