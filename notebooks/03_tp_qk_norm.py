@@ -88,10 +88,9 @@ for tp in (2, 4, 8):
         print(f"{tp:>3} {tokens:>6} | {mib(gathered):>10} | {mib(words):>12} | {gathered / words:.0f}x")
 
 # %% [markdown]
-# The ratio, `(6144 + 1024) x 2 / tp` bytes of shard per token against 16 bytes of words, does
-# not depend on T. At prefill the exchange is nothing in bytes; at one token it is a few bytes,
-# and its cost is **latency**: a collective launch would cost several times the op (the page's
-# napkin math has the measured figures), so the exchange has to live inside the kernel.
+# The ratio does not depend on T. At one token the words are a few bytes and their cost is
+# **latency**: a collective launch costs several times the op (the page's napkin math), so the
+# exchange has to live inside the kernel.
 #
 # ## 3. The algorithm on one device
 #
@@ -122,9 +121,8 @@ for dtype in (torch.bfloat16, torch.float32):
     print(f"{str(dtype).removeprefix('torch.'):>8} q: " + "; ".join(line))
 
 # %% [markdown]
-# At tp=1 virtual TP *is* `cross_head_norm`. From tp=2 on the float32 sum is accumulated in
-# another order: a few ulps in float32, almost always absorbed by bf16's rounding. Every tp stays
-# inside the contract.
+# From tp=2 on the float32 sum is accumulated in another order: a few ulps in float32, absorbed
+# by bf16's rounding here. Every tp stays inside the contract.
 #
 # ## 4. The eps pitfall
 #
@@ -166,10 +164,9 @@ for name, y in candidates.items():
 #
 # ## 5. The op on a process group
 #
-# `cookbook.tp_qk_norm` is a collective: every rank of `group` makes the same call with its
-# shards. A gloo group of one rank, in this process, shows the call (tp=1 is `cross_head_norm`);
-# the tests run the same on 2 and 4 gloo ranks. A bad argument is refused before anything is
-# written, naming the argument:
+# `cookbook.tp_qk_norm` is a collective: every rank of `group` makes the same call. A gloo group
+# of one rank in this process shows the call (the tests run 2 and 4 gloo ranks); a bad argument
+# is refused before anything is written, naming the argument:
 
 # %%
 if not dist.is_initialized():
@@ -351,10 +348,10 @@ walkthrough.excerpt("kernels_cuda/tp_qk_norm/exchange.cuh", "__device__ __forcei
 
 # %% [markdown]
 # The rungs' leads are the page's ladder table. **Rung 1** is the reference's three steps in CUDA
-# C, two kernels around NCCL's all-reduce (the fallback where GPUs cannot reach each other). **Rung 2** is one kernel: a CTA
-# stages a tile of tokens in shared memory, a warp per row; lane `s` stores the row's partial into
-# rank `s`'s buffer; the header threads compare; thread (row, source) waits for one word; every
-# rank sums in rank order (the same float everywhere):
+# C, two kernels around NCCL's all-reduce (the fallback where GPUs cannot reach each other).
+# **Rung 2** is one kernel: a CTA stages a tile of tokens in shared memory, a warp per row; lane
+# `s` stores the row's partial into rank `s`'s buffer, then the header threads compare, then thread
+# (row, source) waits for one word, and every rank sums in rank order (the same float everywhere):
 
 # %%
 walkthrough.excerpt("kernels_cuda/tp_qk_norm/tiles.cuh", "  // Phase 1: read, stage, sum, push.", "  // Phase 4:",
@@ -372,10 +369,10 @@ walkthrough.diff_rungs(OP, 4, code_only=True, max_lines=32)
 # %% [markdown]
 # **Rung 5**, the *lagged walk*: at prefill a persistent grid of resident CTAs, each finishing a
 # token two steps after pushing its sums (rows read again from L2), so nothing holds a row through
-# the NVLink round trip. Its step:
+# the NVLink round trip. The finish of a step:
 
 # %%
-walkthrough.excerpt("kernels_cuda/tp_qk_norm/v5_lagged_walk.cuh", "    // 1. Request the summed token", "    if (finish_now)")
+walkthrough.excerpt("kernels_cuda/tp_qk_norm/v5_lagged_walk.cuh", "    // 2. Finish the token", "      } else if (first_finish")
 
 # %% [markdown]
 # **Rung 6** takes one token per CTA, its block sized to the row pair, the row and its weights
