@@ -9,8 +9,10 @@ An op in the ladder layout (qk_norm, cross_head_norm) gets its ladder table (eac
 tuned kernel: its lead, registers, for cross_head_norm the achieved occupancy Nsight Compute
 measured (`python -m cookbook.ncu ... --tag ladder`), and its time and percent of the copy at the
 headline shapes), the "which kernel runs" table and the results at every bench shape (the tuned
-kernel against `torch.compile` and the peers the sweep timed). An op in the older layout gets
-its versions table:
+kernel against `torch.compile` and the peers the sweep timed). tp_qk_norm's come from its TP=2
+pages of record instead (`python -m cookbook.bench.tp`): the ladder by both timings, which kernel
+runs at TP=2 and TP=4, and the tuned kernel against SGLang's fused TP kernel and the local shard.
+An op in the older layout gets its versions table:
 
 One row per registered implementation (name, level, version, lead); CUDA C rows add the
 registers and spill bytes ptxas reports for the bf16 kernels (fused rounding; for the head_dim
@@ -48,59 +50,15 @@ VECTORS_PER_THREAD_OPS = {"cross_head_norm"}
 OCCUPANCY_TAG = {"cross_head_norm": "ncu_ladder"}
 
 
-# Ops whose kernels are not named <op>_vN_kernel: version -> the bf16 fused-rounding kernels it
-# launches (16-byte packs, staged in shared memory where that is a template argument).
-WEIGHT_SOURCE = "(cookbook::tp_qk_norm::WeightSource)"  # how the demangler writes the enum argument
-NAMED_KERNELS = {
-    "tp_qk_norm": {
-        # v1: the 16-byte kernels on the token-major grid (fused-qkv views); unaligned shards run the element-wise pair
-        1: ("sum_sq_vec_kernel<__nv_bfloat16, true>", "apply_vec_kernel<__nv_bfloat16, false, true>",
-            "sum_sq_kernel<__nv_bfloat16>", "apply_kernel<__nv_bfloat16, false>"),
-        2: ("fused_kernel<__nv_bfloat16, 8, true, false, false, false>",),
-        3: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, false, false, false>", "fused_kernel<__nv_bfloat16, 8, true, false, false, false>"),
-        4: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, false, false>", "fused_kernel<__nv_bfloat16, 8, true, false, false, false>"),
-        5: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, false>", "fused_kernel<__nv_bfloat16, 8, true, false, true, false>"),
-        6: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, true>", "fused_kernel<__nv_bfloat16, 8, true, false, true, true>"),
-        # v7: its prefill kernel at 4 vectors per thread (the MiniMax shard at TP=2); smaller calls run v6's
-        7: (f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}0>",),
-        # v8: the same walk with the weights held in registers; v9: in shared memory
-        8: (f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}1>",),
-        9: (f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}2>",),
-        # v10: its decode kernel (prefill is v9's walk)
-        10: ("fused_held_kernel<__nv_bfloat16, false>", f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}2>"),
-        # v11: its token-row kernel at one and two vectors per thread (the MiniMax shard at TP=4 and TP=2)
-        11: ("token_rows_kernel<__nv_bfloat16, 1, false>", "token_rows_kernel<__nv_bfloat16, 2, false>"),
-        # v12: the kernels its table picks from (v10's held rows, v11's token rows, v9's walk, v6's tiles)
-        12: ("fused_held_kernel<__nv_bfloat16, false>", "token_rows_kernel<__nv_bfloat16, 1, false>",
-             f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}2>",
-             "fused_kernel<__nv_bfloat16, 8, true, false, true, true>"),
-    },
-}
-
-
 # Versions of an op in the single-header layout whose bf16 fused-rounding kernel the name pattern
-# below cannot tell apart: version -> that instantiation (none left: tp_qk_norm names its kernels).
+# below cannot tell apart: version -> that instantiation (none left).
 KERNEL_INSTANCES: dict[str, dict[int, str]] = {}
-
-
-def named_kernel_registers(op: str) -> dict[int, str]:
-    by_name = {k.kernel: k for k in nvcc_report.compile_header(op)}
-    found = {}
-    for version, names in NAMED_KERNELS[op].items():
-        cells = []
-        for name in names:
-            kernel = next(k for full, k in by_name.items() if f"::{name}(" in full)
-            cells.append(f"{name.split('<')[0]} {kernel.registers} regs, {kernel.spill_bytes} B spill")
-        found[version] = "; ".join(cells)
-    return found
 
 
 def cuda_registers(op: str) -> dict[int, str]:
     """{version: "R regs, S B spill"} for the bf16 fused-rounding kernels, or {} without nvcc."""
     if nvcc_report.nvcc() is None:
         return {}
-    if op in NAMED_KERNELS:
-        return named_kernel_registers(op)
     # Extra template arguments after the rounding flag are allowed where none is `true` (the
     # instances of later versions: streaming) and the kernel is not in KERNEL_INSTANCES, which
     # names the rest. A version of several kernels (qk_norm_rope v1: <op>_v1_norm_kernel,
@@ -524,28 +482,29 @@ def tp_ladder_table() -> str:
 
 
 def tp_which_table() -> str:
-    """Which kernel the tuned kernel runs at MiniMax-M2's widths at TP=2 and TP=4 (and the
-    benchmark's second widths at TP=2): what `python -m cookbook explain tp_qk_norm` answers."""
+    """Which kernel the tuned kernel runs at MiniMax-M2's widths at TP=2 and TP=4, with its launch
+    and registers: what `python -m cookbook explain tp_qk_norm` answers."""
     import torch
 
     from cookbook import explainer
+    from cookbook.bench import tp as bench_tp
 
     contract = registry.contract("tp_qk_norm")
-    lines = ["| shape | TP | kernel | grid x block | registers | tokens per SM | resident CTAs |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| tokens | " + " | ".join(f"TP={world}: kernel, grid x block, registers" for world in TP_WHICH_WORLDS) + " |",
+             "|---|" + "---|" * len(TP_WHICH_WORLDS)]
     for shape in contract.BENCH_SHAPES:
-        worlds = TP_WHICH_WORLDS if tuple(shape[1:]) == (6144, 1024) else (TP_WORLD,)
-        for world in worlds:
-            answer = explainer.explain("tp_qk_norm", shape=tuple(shape), dtype=torch.bfloat16, world=world, gpu="h100")
-            p = answer.plan
+        if tuple(shape[1:]) != bench_tp.MINIMAX_WIDTHS:
+            continue
+        cells = []
+        for world in TP_WHICH_WORLDS:
+            p = explainer.explain("tp_qk_norm", shape=tuple(shape), dtype=torch.bfloat16, world=world, gpu="h100").plan
             name = p["kernel"].rsplit("::", 1)[1]
-            args = ", ".join(arg.split("=", 1)[1] for arg in p["template_arguments"].split(", ")[1:]
-                             if not arg.startswith(("kHfRounding", "kEarlyEpoch", "kProgrammatic", "kBatched")))
-            kernel = f"`{name}<{args}>`" if args else f"`{name}`"
-            lines.append(f"| T={shape[0]} q={shape[1]} k={shape[2]} | {world} | {kernel} | {int(p['grid']):,} x "
-                         f"{p['block']} | {p['registers']} | {' | '.join(answer.summary[1:])} |")
+            vecs = next((arg.split("=")[1] for arg in p["template_arguments"].split(", ")
+                         if arg.startswith("kVecsPerThread")), None)
+            cells.append(f"`{name}{f'<{vecs}>' if vecs else ''}` {int(p['grid']):,} x {p['block']}, {p['registers']}")
+        lines.append(f"| {shape[0]} | {' | '.join(cells)} |")
     lines += ["", "(an H100 or H200: 132 SMs; bf16, fused rounding, each rank's shards as views of one fused qkv shard; "
-                  "from `python -m cookbook explain tp_qk_norm --shape T,q,k --world TP --gpu h100`, registers from "
+                  "`python -m cookbook explain tp_qk_norm --shape T,6144,1024 --world TP --gpu h100`; registers from "
                   f"ptxas for {nvcc_report.DEFAULT_ARCH}.)"]
     return "\n".join(lines)
 
