@@ -61,8 +61,8 @@ def test_show_kernel_prints_one_kernel_function(op, name):
 
 
 def test_a_version_without_its_own_kernel_is_an_error():
-    with pytest.raises(ValueError, match="tp_qk_norm_v12_kernel"):
-        walkthrough.kernel_text("tp_qk_norm", "cuda_v12")  # v12 picks among v10's and v11's kernels
+    with pytest.raises(ValueError, match="tp_qk_norm_v3_kernel"):
+        walkthrough.kernel_text("tp_qk_norm", "cuda_v3")  # rung 3 switches on features of tiles.cuh's kernels
 
 
 # ---- the ladder's diffs ------------------------------------------------------------------------
