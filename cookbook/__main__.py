@@ -14,7 +14,8 @@ honour (and usage errors).
 
 ``explain``: which kernel, with which template arguments, grid and block, a call runs, and each
 choice of the tuned kernel's policy with the numbers that decided it (`cookbook.explain`):
-``python -m cookbook explain qk_norm --shape 8192,8,1,128 --dtype bfloat16 --gpu h100``.
+``python -m cookbook explain qk_norm --shape 8192,8,1,128 --dtype bfloat16 --gpu h100``;
+``python -m cookbook explain tp_qk_norm --shape 512,6144,1024 --world 2 --gpu h100``.
 
 Numba reads NUMBA_ENABLE_CUDASIM once, when it is first imported, so this module imports neither
 Numba nor the kernels: the simulator is switched on before anything else can import them.
@@ -78,8 +79,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     tour.add_argument("--dtype", default=None, choices=DTYPES, help="only this dtype (default: float32 and bfloat16)")
     tour.add_argument("--nproc", type=int, default=None, help="gloo ranks of tp_qk_norm's tour (default: 2)")
     explain = commands.add_parser("explain", help="which kernel a call runs, and why (the tuned kernel's policy)")
-    explain.add_argument("op", help="the op (qk_norm, cross_head_norm, qk_norm_rope, qk_norm_rope_cache)")
-    explain.add_argument("--shape", required=True, help="the call's sizes, comma-separated: qk_norm T,HQ,HK,D; cross_head_norm T,QH,KH; qk_norm_rope T,HQ,HK,D,ROPE,NEOX (NEOX 1 or 0); qk_norm_rope_cache T,HQ,HK,D,FP8 (FP8 1 or 0)")
+    explain.add_argument("op", help="the op (qk_norm, cross_head_norm, qk_norm_rope, qk_norm_rope_cache, tp_qk_norm)")
+    explain.add_argument("--shape", required=True, help="the call's sizes, comma-separated: qk_norm T,HQ,HK,D; cross_head_norm T,QH,KH; qk_norm_rope T,HQ,HK,D,ROPE,NEOX (NEOX 1 or 0); qk_norm_rope_cache T,HQ,HK,D,FP8 (FP8 1 or 0); tp_qk_norm T,QH,KH (full widths)")
+    explain.add_argument("--world", type=int, help="tp_qk_norm: the group's size (default 2); each rank holds width / world")
     explain.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     explain.add_argument("--weight-dtype", choices=DTYPES,
                          help="the weights' dtype (default: the activations')")
@@ -172,11 +174,11 @@ def explain_main(cli: argparse.ArgumentParser, args) -> int:
     try:
         shape = tuple(int(n) for n in args.shape.split(","))
     except ValueError:
-        cli.error(f"--shape: expected comma-separated integers (qk_norm: T,HQ,HK,D; cross_head_norm: T,QH,KH; qk_norm_rope: T,HQ,HK,D,ROPE,NEOX; qk_norm_rope_cache: T,HQ,HK,D,FP8), got {args.shape!r}")
+        cli.error(f"--shape: expected comma-separated integers (qk_norm: T,HQ,HK,D; cross_head_norm: T,QH,KH; qk_norm_rope: T,HQ,HK,D,ROPE,NEOX; qk_norm_rope_cache: T,HQ,HK,D,FP8; tp_qk_norm: T,QH,KH), got {args.shape!r}")
     try:
         answer = explainer.explain(args.op, shape=shape, dtype=getattr(torch, args.dtype), layout=args.layout,
                                    weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None,
-                                   gpu=args.gpu, sms=args.sms, rounding=args.rounding)
+                                   gpu=args.gpu, sms=args.sms, world=args.world, rounding=args.rounding)
     except (ValueError, TypeError) as error:
         cli.error(str(error))
     except RuntimeError as error:

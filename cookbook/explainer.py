@@ -123,9 +123,14 @@ class Explanation:
     def kernel(self) -> str:
         return f"{self.plan['kernel']}<{self.plan['template_arguments']}>"
 
+    @property
+    def launches(self) -> bool:
+        """Whether the call launches a kernel (an op whose plan counts no rows always does)."""
+        return "rows" not in self.plan or int(self.plan["rows"]) > 0
+
     def launch(self) -> str:
         p = self.plan
-        if int(p.get("rows", "0")) == 0:
+        if not self.launches:
             return "nothing: the call has no rows"
         how = ", programmatic" if p.get("programmatic") == "true" else ""
         registers = f"; {p['registers']} registers per thread" if "registers" in p else ""
@@ -136,7 +141,7 @@ class Explanation:
         width = max([len(label) for label, _ in self.policy] + [0])
         lines = [f"{self.op}: {self.call}", f"  {self.layout}", f"answered by {self.source}",
                  f'backend="auto": {self.auto}', f'backend="cuda": {self.cuda}']
-        if int(self.plan.get("rows", "0")) > 0:
+        if self.launches:
             lines += [f"kernel: {self.kernel}", f"launch: {self.launch()}", "policy:"]
             lines += [f"  {label:<{width}}  {why}" for label, why in self.policy]
         else:
@@ -739,6 +744,139 @@ class QkNormRopeCache:
         return ["one pass", p["waves"]]
 
 
+class TpQkNorm:
+    """tp_qk_norm: one rank's call, the world size a number (the plan reads nothing else of the
+    group). `shape` gives the full widths; each rank holds `width / world` of each."""
+
+    op = "tp_qk_norm"
+    shape_names = ("T", "QH", "KH")  # tokens, q's and k's full widths
+    takes_world = True
+
+    @staticmethod
+    def _check_world(world) -> int:
+        from cookbook.tp_workspace import MAX_RANKS
+
+        if not isinstance(world, int) or isinstance(world, bool) or not 2 <= world <= MAX_RANKS:
+            raise ValueError(f"world: expected the group's size, 2 to {MAX_RANKS} ranks (one rank runs "
+                             f"cross_head_norm), got {world!r}")
+        return world
+
+    @staticmethod
+    def inputs(shape, dtype, layout, device, weight_dtype=None, world=2) -> dict:
+        t, q_full, k_full = shape
+        world = TpQkNorm._check_world(world)
+        for name, width in (("q_hidden", q_full), ("k_hidden", k_full)):
+            if width % world:
+                raise ValueError(f"shape: {name} {width} does not split into {world} equal shards")
+        shards = CrossHeadNorm.inputs((t, q_full // world, k_full // world), dtype, layout, device, weight_dtype)
+        return dict(q_shard=shards["q"], k_shard=shards["k"], q_weight_shard=shards["q_weight"],
+                    k_weight_shard=shards["k_weight"])
+
+    @staticmethod
+    def check(q_shard, k_shard, q_weight_shard, k_weight_shard, eps=1e-6, weight_offset=0.0, rounding="fused",
+              world=2):
+        from types import SimpleNamespace
+
+        from cookbook.ops import tp_qk_norm as contract
+
+        world = TpQkNorm._check_world(world)
+        checked = contract.check_inputs(q_shard, k_shard, q_weight_shard, k_weight_shard, eps, weight_offset, rounding,
+                                        group=None)
+        return SimpleNamespace(**{name: getattr(checked, name) for name in
+                                  ("q", "k", "q_weight", "k_weight", "eps", "weight_offset", "rounding")}, world=world)
+
+    @staticmethod
+    def _capacity() -> int:
+        """Tokens per chunk: the workspace's capacity (a longer call runs as several launches)."""
+        from cookbook import tp_workspace
+
+        return tp_workspace.CAPACITY_TOKENS
+
+    @staticmethod
+    def _aligned(a) -> bool:
+        return CrossHeadNorm._rows_are_vectors(a) and _aligned(a.q_weight) and _aligned(a.k_weight)
+
+    @staticmethod
+    def describe_call(a, layout: str | None) -> tuple[str, str]:
+        t, q_hidden = a.q.shape
+        k_hidden = a.k.shape[1]
+        weights = "/".join(dict.fromkeys(str(w.dtype).removeprefix("torch.") for w in (a.q_weight, a.k_weight)))
+        call = (f"T={t} q_hidden={q_hidden * a.world} k_hidden={k_hidden * a.world} over {a.world} ranks (shards "
+                f"{q_hidden}/{k_hidden}), {str(a.q.dtype).removeprefix('torch.')}, rounding={a.rounding!r}, weights "
+                f"{weights}")
+        where = {"fused_qkv": "q and k shards: views of one fused qkv shard", "separate": "q and k shards: tensors of "
+                 "their own", None: "q and k shards"}[layout]
+        return call, (f"{where} (token strides {a.q.stride(0)}, {a.k.stride(0)}); rows and weights 16-byte aligned, "
+                      f"whole vectors: {'yes' if TpQkNorm._aligned(a) else 'no'}")
+
+    @staticmethod
+    def call_lines(a) -> list[str]:
+        chunk = min(a.q.shape[0], TpQkNorm._capacity())
+        return [f"dtype={_DTYPE_CODE[a.q.dtype]}", f"rounding={_ROUNDING_CODE[a.rounding]}", f"world={a.world}",
+                f"num_tokens={chunk}", f"q_hidden={a.q.shape[1]}", f"k_hidden={a.k.shape[1]}",
+                f"vector_aligned={'true' if TpQkNorm._aligned(a) else 'false'}"]
+
+    @staticmethod
+    def ask_gpu(a) -> dict[str, str]:
+        """The tuned extension's explain op. It reads the world size from the number of peer buffers
+        and dereferences none, so a world of placeholders asks it on one GPU, with no group."""
+        from cookbook import cuda, tp_workspace
+
+        counters = torch.zeros(tp_workspace.COUNTER_WORDS, dtype=torch.int32, device=a.q.device)
+        status = torch.zeros(tp_workspace.STATUS_WORDS, dtype=torch.int64).pin_memory()
+        no_peer_buffers = [0] * a.world
+        return parse_plan(cuda.TpOps(cuda.tp_tuned()).explain(
+            a.q, a.k, a.q_weight, a.k_weight, counters, no_peer_buffers, status.data_ptr(), 0, TpQkNorm._capacity(),
+            a.eps, a.weight_offset, a.rounding == "hf"))
+
+    PATHS = {"lean": "rung 7's lean kernel", "lagged_walk": "rung 5's lagged walk", "tiles": "rung 4's tile kernel",
+             "decode_tiles": "rung 4's decode tile kernel (warps share each row)"}
+
+    @staticmethod
+    def policy(p: dict[str, str], a) -> list[tuple[str, str]]:
+        t, capacity = a.q.shape[0], TpQkNorm._capacity()
+        chunk = min(t, capacity)
+        sms, vecs, resident = int(p["sms"]), int(p["vecs"]), int(p["resident"])
+        tokens = f"{chunk:,} token{'s' if chunk != 1 else ''}"
+        found = [("chunk", f"{tokens}" + (f", the first of {-(-t // capacity)} chunks of at most {capacity:,}"
+                                           if t > capacity else "")),
+                 ("row pair", f"{vecs} vectors of 16 bytes (q's and k's shard rows)"),
+                 ("tokens per SM", f"{p['tokens_per_sm']} ({tokens} on {sms} SMs); the lean band is up to "
+                                   f"{p['lean_tokens_per_sm']}")]
+        path = p["path"]
+        if chunk == 0:
+            why = "no tokens: the launch still publishes the header and advances the epoch"
+        elif not TpQkNorm._aligned(a):
+            why = "a row or weight is off a 16-byte boundary or not whole vectors: one element per pack"
+        elif path == "lean":
+            why = (f"within the lean band: a CTA of {p['block']} threads per token, {resident:,} resident CTAs"
+                   + (", persistent above them" if chunk > resident else ""))
+        elif path == "lagged_walk":
+            why = (f"above the lean band, world {a.world} <= {p['lagged_max_world']}, and {tokens} >= the walk's "
+                   f"{resident:,} resident CTAs: one persistent grid of them")
+        elif int(p["lagged_max_world"]) < a.world:
+            why = f"above the lean band at world {a.world} > {p['lagged_max_world']} (the walk is not measured there)"
+        elif resident:
+            why = f"above the lean band, fewer tokens than the walk's {resident:,} resident CTAs"
+        else:
+            why = "above the lean band, and the row pair is wider than the walk's block holds"
+        found.append(("path", f"{TpQkNorm.PATHS[path]}: {why}"))
+        if path in ("tiles", "decode_tiles"):
+            found.append(("tiles", f"{p['tokens_per_cta']} token(s) per CTA, {p['slices_per_row']} warp(s) per row; "
+                                   f"{int(p['shared_bytes']):,} B of shared memory"))
+        found.append(("without peer memory", "rung 1's kernels around NCCL's all-reduce (the group's GPUs cannot all "
+                                             "reach each other's memory)"))
+        return found
+
+    # The generated "which kernel runs" table of docs/tp_qk_norm.md: its policy columns.
+    SUMMARY = ("path", "tokens per SM", "resident CTAs")
+
+    @staticmethod
+    def summary(p: dict[str, str], a) -> list[str]:
+        resident = int(p["resident"])
+        return [p["path"], p["tokens_per_sm"], f"{resident:,}" if resident else "-"]
+
+
 def lane_count(a, min_vecs: int) -> int:
     """The lanes of a lane group of `a`'s head_dim holding at least `min_vecs` vectors each
     (lanes.h's lane_shape)."""
@@ -748,7 +886,7 @@ def lane_count(a, min_vecs: int) -> int:
 
 
 EXPLAINERS = {"qk_norm": QkNorm, "cross_head_norm": CrossHeadNorm, "qk_norm_rope": QkNormRope,
-              "qk_norm_rope_cache": QkNormRopeCache}
+              "qk_norm_rope_cache": QkNormRopeCache, "tp_qk_norm": TpQkNorm}
 
 
 def explainable() -> list[str]:
@@ -760,6 +898,10 @@ def _backends(op: str, device: torch.device, hypothetical: bool) -> tuple[str, s
 
     tuned = registry.fastest(op)
     numba = registry.latest(op, "numba")
+    if getattr(EXPLAINERS[op], "takes_world", False):  # a collective: what every rank of the group runs
+        fused = (f"{tuned.name} on CUDA tensors where every GPU of the group reaches every other's memory, else "
+                 f"its NCCL path (rung 1's kernels)")
+        return f"{fused}; CPU tensors: the reference", fused
     if hypothetical:
         return (f"{tuned.name} on CUDA tensors of a GPU with nvcc (without nvcc: {numba.name}, the Numba kernel; "
                 f"CPU tensors: the reference)", f"{tuned.name}")
@@ -768,7 +910,7 @@ def _backends(op: str, device: torch.device, hypothetical: bool) -> tuple[str, s
 
 
 def explain(op: str, *args, shape=None, dtype=torch.bfloat16, layout: str = "fused_qkv", weight_dtype=None,
-            gpu: str | None = None, sms: int | None = None, **kwargs) -> Explanation:
+            gpu: str | None = None, sms: int | None = None, world: int | None = None, **kwargs) -> Explanation:
     """Which kernel `backend="cuda"` (and "auto") runs for this call of `op`, with which template
     arguments, grid and block, and each choice of the tuned kernel's policy with its numbers.
 
@@ -776,10 +918,17 @@ def explain(op: str, *args, shape=None, dtype=torch.bfloat16, layout: str = "fus
     or describe one (``shape=(T, HQ, HK, D)``, ``dtype``, ``layout="fused_qkv"`` or
     ``"separate"``, ``weight_dtype``). On a GPU, CUDA tensors are asked of the GPU itself; with
     ``gpu="h100"``/``"h200"`` or ``sms=N``, or without a GPU, the policy compiled for the host
-    answers for that GPU (nvcc and a host C++ compiler needed)."""
+    answers for that GPU (nvcc and a host C++ compiler needed).
+
+    tp_qk_norm takes the group's size as ``world`` (default 2): ``shape=(T, q_hidden, k_hidden)``
+    gives the full widths, one rank's shards are ``width / world``; its own tensors are shards."""
     if op not in EXPLAINERS:
         raise ValueError(f"op: expected one of {explainable()}, got {op!r}")
     spec = EXPLAINERS[op]
+    if getattr(spec, "takes_world", False):
+        kwargs["world"] = 2 if world is None else world
+    elif world is not None:
+        raise ValueError(f"world: only tp_qk_norm takes a world size, not {op}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     on_gpu = torch.cuda.is_available() and gpu is None and sms is None
@@ -792,7 +941,8 @@ def explain(op: str, *args, shape=None, dtype=torch.bfloat16, layout: str = "fus
                              f"non-negative integers, got {shape}")
         if dtype not in _DTYPE_CODE:
             raise ValueError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
-        tensors = spec.inputs(shape, dtype, layout, "cuda" if on_gpu else "meta", weight_dtype)
+        sizes = {"world": kwargs["world"]} if "world" in kwargs else {}
+        tensors = spec.inputs(shape, dtype, layout, "cuda" if on_gpu else "meta", weight_dtype, **sizes)
         checked = spec.check(**tensors, **kwargs)
     else:
         checked = spec.check(*args, **kwargs)
@@ -810,7 +960,7 @@ def explain(op: str, *args, shape=None, dtype=torch.bfloat16, layout: str = "fus
                   f"compute capability {target.major}.{target.minor}; registers from nvcc's report)")
     call, layout_line = spec.describe_call(checked, layout if shape is not None else None)
     auto, cuda = _backends(op, device, hypothetical)
-    has_rows = int(plan.get("rows", "0")) > 0
-    policy = spec.policy(plan, checked) if has_rows else []
-    summary = spec.summary(plan, checked) if has_rows else []
-    return Explanation(op, call, layout_line, auto, cuda, source, plan, policy, summary)
+    answer = Explanation(op, call, layout_line, auto, cuda, source, plan)
+    if answer.launches:
+        answer.policy, answer.summary = spec.policy(plan, checked), spec.summary(plan, checked)
+    return answer

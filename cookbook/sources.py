@@ -38,7 +38,6 @@ def files(op: str) -> list[Path]:
     """The source files of `op` (relative to the checkout), sorted."""
     kernel_dir = ROOT / "kernels_cuda"
     roots = [p.relative_to(kernel_dir).as_posix() for p in sorted((kernel_dir / op).glob("*")) if p.is_file()]
-    roots += [f"{op}.cuh", f"bindings/{op}.cu"]  # the older layout: every version in one header
     found = _included(kernel_dir, roots)
     for extra in (f"kernels_numba/{op}.py", "kernels_numba/helpers.py", f"cookbook/ops/{op}.py", *BUILT_ON.get(op, ())):
         if (ROOT / extra).is_file():

@@ -31,8 +31,7 @@
 #
 # `qk_norm` is laid out as a teaching **ladder**: `kernels_cuda/qk_norm/v1_*.cuh` to `v6_*.cuh`,
 # each a standalone kernel that fixes one named bottleneck of the rung below, plus `tuned.cuh`,
-# the production kernel. The other ops still hold their numbered CUDA C versions in one header
-# each (`kernels_cuda/<op>.cuh`).
+# the production kernel. Every other op follows the same layout (`kernels_cuda/<op>/`).
 #
 # **Install** (from a checkout), to open the notebooks in Jupyter, or to run them (and the tests)
 # without it:

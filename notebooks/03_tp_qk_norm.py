@@ -402,12 +402,13 @@ walkthrough.excerpt("kernels_cuda/tp_qk_norm/policy.h", "struct Policy {", "// W
 # %%
 for tp in (2, 4):
     for tokens in (1, 512, 16384):
-        try:
-            plan = cookbook.explain(OP, shape=(tokens, Q_WIDTH // tp, K_WIDTH // tp), world=tp, gpu="h100").plan
+        try:  # the full widths and the group's size; each rank holds width / tp
+            plan = cookbook.explain(OP, shape=(tokens, Q_WIDTH, K_WIDTH), world=tp, gpu="h100").plan
         except RuntimeError as error:  # without nvcc the host policy cannot be compiled
             print(error)
             break
-        print(f"TP={tp} {tokens:>5} tokens: {plan['path']:<12} grid {int(plan['grid']):>4} x {plan['block']}")
+        print(f"TP={tp} {tokens:>5} tokens: {plan['path']:<11} grid {int(plan['grid']):>4} x {plan['block']}, "
+              f"{plan['registers']} registers")
 
 # %% [markdown]
 # ## Where to go next

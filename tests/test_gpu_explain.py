@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import cookbook
 from cookbook import explainer
 from cookbook.ops import qk_norm as contract
+from cookbook.ops import tp_qk_norm as tp_contract
 from helpers import ON_GPU, launched_kernels
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -68,3 +69,44 @@ def test_any_call_answers_the_same_on_gpu_and_host(tokens, q_heads, kv_heads, he
     w_buffer = torch.ones(head_dim + 1, dtype=w_dtype, device="cuda")
     w = w_buffer[1:] if weight.endswith("misaligned") else w_buffer[:head_dim]
     assert_same(dict(q=q, k=k, q_weight=w, k_weight=w), rounding=rounding)
+
+
+# ---- tp_qk_norm: the plan reads the group only as its size, so one GPU asks it at any world ----
+TP_WIDTHS = [(6144, 1024), (4096, 512), (2048, 256), (16384, 2048), (256, 64)]
+
+
+def tp_shards(tokens, q_hidden, k_hidden, world, dtype=torch.bfloat16, offset=0, weight=torch.bfloat16):
+    """One rank's shards as views of a fused qkv shard, `offset` elements into its buffer."""
+    qs, ks = q_hidden // world, k_hidden // world
+    buffer = torch.empty(tokens * (qs + 2 * ks) + offset, dtype=dtype, device="cuda")
+    qkv = buffer[offset:].view(tokens, qs + 2 * ks)
+    return [qkv[:, :qs], qkv[:, qs: qs + ks], torch.ones(qs, dtype=weight, device="cuda"),
+            torch.ones(ks, dtype=weight, device="cuda")]
+
+
+def assert_tp_same(shards, world, **kwargs):
+    on_gpu = explainer.explain("tp_qk_norm", *shards, world=world, **kwargs)
+    on_host = explainer.explain("tp_qk_norm", *shards, world=world, gpu=explainer.Gpu.of_device(), **kwargs)
+    assert on_gpu.source.startswith("the GPU") and on_host.source.startswith("the policy compiled for the host")
+    assert on_gpu.plan == on_host.plan, (on_gpu.plan, on_host.plan)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("shape", tp_contract.BENCH_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_tp_bench_shapes_answer_the_same_on_gpu_and_host(shape, world):
+    assert_tp_same(tp_shards(*shape, world), world, rounding="hf")
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.integers(0, 40000), widths=st.sampled_from(TP_WIDTHS), world=st.sampled_from([2, 3, 4, 8]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), rounding=st.sampled_from(["fused", "hf"]),
+       offset=st.sampled_from([0, 1]), fp32_weights=st.booleans())
+def test_tp_any_call_answers_the_same_on_gpu_and_host(tokens, widths, world, dtype, rounding, offset, fp32_weights):
+    """Across the lean band's edge, the walk's resident grid, chunks past the workspace's capacity,
+    every dtype, unaligned shards and float32 weights."""
+    q_hidden, k_hidden = widths
+    if q_hidden % (2 * world) or k_hidden % (2 * world):
+        q_hidden, k_hidden = q_hidden * 3, k_hidden * 3  # world 3: shards of even width
+    tokens = min(tokens, 64 * 2**20 // (q_hidden + 2 * k_hidden))
+    shards = tp_shards(tokens, q_hidden, k_hidden, world, dtype, offset, torch.float32 if fp32_weights else dtype)
+    assert_tp_same(shards, world, rounding=rounding)

@@ -35,10 +35,11 @@ def test_an_excerpt_is_cut_to_max_lines_and_says_what_it_left_out():
 
 
 def test_an_excerpt_can_start_at_the_last_occurrence():
-    lines = (ROOT / "kernels_cuda/tp_qk_norm.cuh").read_text().splitlines()
-    marks = [i + 1 for i, line in enumerate(lines) if line.startswith("// v2: ")]
-    assert len(marks) >= 2, "the header lists its leads before the sections"
-    text = walkthrough.excerpt_text("kernels_cuda/tp_qk_norm.cuh", "// v2: ", occurrence=-1, max_lines=5)
+    policy, mark = "kernels_cuda/tp_qk_norm/policy.h", "case KernelName::kLean:"
+    lines = (ROOT / policy).read_text().splitlines()
+    marks = [i + 1 for i, line in enumerate(lines) if mark in line]
+    assert len(marks) >= 2, "each of the policy's name tables has a case for the lean kernel"
+    text = walkthrough.excerpt_text(policy, mark, occurrence=-1, max_lines=5)
     assert f"lines {marks[-1]}-" in text.splitlines()[0]
 
 
@@ -60,8 +61,8 @@ def test_show_kernel_prints_one_kernel_function(op, name):
 
 
 def test_a_version_without_its_own_kernel_is_an_error():
-    with pytest.raises(ValueError, match="tp_qk_norm_v12_kernel"):
-        walkthrough.kernel_text("tp_qk_norm", "cuda_v12")  # v12 picks among v10's and v11's kernels
+    with pytest.raises(ValueError, match="tp_qk_norm_v3_kernel"):
+        walkthrough.kernel_text("tp_qk_norm", "cuda_v3")  # rung 3 switches on features of tiles.cuh's kernels
 
 
 # ---- the ladder's diffs ------------------------------------------------------------------------

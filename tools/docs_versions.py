@@ -9,8 +9,10 @@ An op in the ladder layout (qk_norm, cross_head_norm) gets its ladder table (eac
 tuned kernel: its lead, registers, for cross_head_norm the achieved occupancy Nsight Compute
 measured (`python -m cookbook.ncu ... --tag ladder`), and its time and percent of the copy at the
 headline shapes), the "which kernel runs" table and the results at every bench shape (the tuned
-kernel against `torch.compile` and the peers the sweep timed). An op in the older layout gets
-its versions table:
+kernel against `torch.compile` and the peers the sweep timed). tp_qk_norm's come from its TP=2
+pages of record instead (`python -m cookbook.bench.tp`): the ladder by both timings, which kernel
+runs at TP=2 and TP=4, and the tuned kernel against SGLang's fused TP kernel and the local shard.
+An op in the older layout gets its versions table:
 
 One row per registered implementation (name, level, version, lead); CUDA C rows add the
 registers and spill bytes ptxas reports for the bf16 kernels (fused rounding; for the head_dim
@@ -48,59 +50,15 @@ VECTORS_PER_THREAD_OPS = {"cross_head_norm"}
 OCCUPANCY_TAG = {"cross_head_norm": "ncu_ladder"}
 
 
-# Ops whose kernels are not named <op>_vN_kernel: version -> the bf16 fused-rounding kernels it
-# launches (16-byte packs, staged in shared memory where that is a template argument).
-WEIGHT_SOURCE = "(cookbook::tp_qk_norm::WeightSource)"  # how the demangler writes the enum argument
-NAMED_KERNELS = {
-    "tp_qk_norm": {
-        # v1: the 16-byte kernels on the token-major grid (fused-qkv views); unaligned shards run the element-wise pair
-        1: ("sum_sq_vec_kernel<__nv_bfloat16, true>", "apply_vec_kernel<__nv_bfloat16, false, true>",
-            "sum_sq_kernel<__nv_bfloat16>", "apply_kernel<__nv_bfloat16, false>"),
-        2: ("fused_kernel<__nv_bfloat16, 8, true, false, false, false>",),
-        3: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, false, false, false>", "fused_kernel<__nv_bfloat16, 8, true, false, false, false>"),
-        4: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, false, false>", "fused_kernel<__nv_bfloat16, 8, true, false, false, false>"),
-        5: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, false>", "fused_kernel<__nv_bfloat16, 8, true, false, true, false>"),
-        6: ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, true>", "fused_kernel<__nv_bfloat16, 8, true, false, true, true>"),
-        # v7: its prefill kernel at 4 vectors per thread (the MiniMax shard at TP=2); smaller calls run v6's
-        7: (f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}0>",),
-        # v8: the same walk with the weights held in registers; v9: in shared memory
-        8: (f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}1>",),
-        9: (f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}2>",),
-        # v10: its decode kernel (prefill is v9's walk)
-        10: ("fused_held_kernel<__nv_bfloat16, false>", f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}2>"),
-        # v11: its token-row kernel at one and two vectors per thread (the MiniMax shard at TP=4 and TP=2)
-        11: ("token_rows_kernel<__nv_bfloat16, 1, false>", "token_rows_kernel<__nv_bfloat16, 2, false>"),
-        # v12: the kernels its table picks from (v10's held rows, v11's token rows, v9's walk, v6's tiles)
-        12: ("fused_held_kernel<__nv_bfloat16, false>", "token_rows_kernel<__nv_bfloat16, 1, false>",
-             f"lagged_rows_kernel<__nv_bfloat16, 4, false, {WEIGHT_SOURCE}2>",
-             "fused_kernel<__nv_bfloat16, 8, true, false, true, true>"),
-    },
-}
-
-
 # Versions of an op in the single-header layout whose bf16 fused-rounding kernel the name pattern
-# below cannot tell apart: version -> that instantiation (none left: tp_qk_norm names its kernels).
+# below cannot tell apart: version -> that instantiation (none left).
 KERNEL_INSTANCES: dict[str, dict[int, str]] = {}
-
-
-def named_kernel_registers(op: str) -> dict[int, str]:
-    by_name = {k.kernel: k for k in nvcc_report.compile_header(op)}
-    found = {}
-    for version, names in NAMED_KERNELS[op].items():
-        cells = []
-        for name in names:
-            kernel = next(k for full, k in by_name.items() if f"::{name}(" in full)
-            cells.append(f"{name.split('<')[0]} {kernel.registers} regs, {kernel.spill_bytes} B spill")
-        found[version] = "; ".join(cells)
-    return found
 
 
 def cuda_registers(op: str) -> dict[int, str]:
     """{version: "R regs, S B spill"} for the bf16 fused-rounding kernels, or {} without nvcc."""
     if nvcc_report.nvcc() is None:
         return {}
-    if op in NAMED_KERNELS:
-        return named_kernel_registers(op)
     # Extra template arguments after the rounding flag are allowed where none is `true` (the
     # instances of later versions: streaming) and the kernel is not in KERNEL_INSTANCES, which
     # names the rest. A version of several kernels (qk_norm_rope v1: <op>_v1_norm_kernel,
@@ -435,54 +393,147 @@ def which_table(op: str) -> str:
     return "\n".join(lines)
 
 
-TP_WORLDS = (2, 4)  # the tensor-parallel pages of record the tp_qk_norm page quotes
+# ---- tp_qk_norm: its ladder, which kernel runs and the results, from the TP=2 pages -------------
+TP_WORLD = 2  # the pages of record of the ladder: MiniMax-M2's widths on two GPUs, both timings
+TP_WHICH_WORLDS = (2, 4)
+TP_LADDER_TOKENS = (1, 128, 2048, 16384)  # the token counts both timings measured
+# Each rung's own bf16 fused-rounding kernels at MiniMax-M2's TP=2 shards (3072/512: 448 vectors,
+# 16-byte packs staged in the tiles), as nvcc's report names them in the rung's extension.
+TP_RUNG_KERNELS = {
+    "cuda_v1": ("v1::sum_sq_vec_kernel<__nv_bfloat16, true>", "v1::apply_vec_kernel<__nv_bfloat16, false, true>"),
+    "cuda_v2": ("fused_kernel<__nv_bfloat16, 8, true, false, false, false>",),
+    "cuda_v3": ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, false>",
+                "fused_kernel<__nv_bfloat16, 8, true, false, true, false>"),
+    "cuda_v4": ("fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, true>",
+                "fused_kernel<__nv_bfloat16, 8, true, false, true, true>"),
+    "cuda_v5": ("v5::lagged_rows_kernel<__nv_bfloat16, 4, false>",),
+    "cuda_v6": ("v6::token_rows_kernel<__nv_bfloat16, 2, false>",),
+    "cuda_v7": ("v7::lean_rows_kernel<__nv_bfloat16, false>",),
+    "cuda_tuned": ("v7::lean_rows_kernel<__nv_bfloat16, false>", "v5::lagged_rows_kernel<__nv_bfloat16, 4, false>",
+                   "fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, true>"),
+}
+
+
+def tp_registers() -> dict[str, str]:
+    """{implementation: "kernel R" per kernel of TP_RUNG_KERNELS}, or {} without nvcc."""
+    if nvcc_report.nvcc() is None:
+        return {}
+    found = {}
+    for impl in registry.implementations("tp_qk_norm", registry.COMPILED_LEVELS):
+        kernels = nvcc_report.compile_extension(impl.extension.name)
+        cells = []
+        for name in TP_RUNG_KERNELS[impl.name]:
+            kernel = next(k for k in kernels if f"::{name}(" in k.kernel)
+            cells.append(f"{name.split('<')[0].split('::')[-1].removesuffix('_kernel')} {kernel.registers}")
+        found[impl.name] = ", ".join(cells)
+    return found
+
+
+def tp_pages(world: int = TP_WORLD) -> dict[str, dict]:
+    """{timing: the page's json} of the TP pages of record at `world` ({"rows": []} where none)."""
+    from cookbook.bench import tp as bench_tp
+
+    pages = {}
+    for timing in (bench_tp.GRAPH, bench_tp.BACK_TO_BACK):
+        path = RESULTS_DIR / f"{bench_tp.page_stem(RECORDED_GPU, world, timing)}.json"
+        pages[timing] = json.loads(path.read_text()) if path.exists() else {"rows": [], "metadata": {}}
+    return pages
+
+
+def _tp_when(pages: dict[str, dict]) -> str:
+    from cookbook.bench import tp as bench_tp
+
+    links = []
+    for timing, data in pages.items():
+        meta = data["metadata"]
+        stem = bench_tp.page_stem(RECORDED_GPU, TP_WORLD, timing)
+        name = "graph" if timing == bench_tp.GRAPH else "back to back"
+        links.append(f"[{name}](results/{stem}.md): {meta.get('date', '-')[:10]}, commit {meta.get('commit', '-')}")
+    gpu = next((d["metadata"]["gpu"] for d in pages.values() if d["metadata"]), "-")
+    return f"{TP_WORLD} x {gpu}, bf16, fused rounding; {'; '.join(links)}"
+
+
+def tp_ladder_table() -> str:
+    """Each rung and the tuned kernel: its lead, its kernels' registers, its time at MiniMax-M2's
+    widths at TP=2 by both timings, and the local shard's (the same shard on one GPU) as the floor."""
+    from cookbook.bench import tp as bench_tp
+
+    pages = tp_pages()
+    registers = tp_registers()
+    timed = {timing: {t: bench_tp.timed_at(d["rows"], t) for t in TP_LADDER_TOKENS} for timing, d in pages.items()}
+    lines = ["| rung | what it changes, and which bottleneck it removes | registers | "
+             + " | ".join(f"T={t}" for t in TP_LADDER_TOKENS) + " |", "|---|---|---|" + "---|" * len(TP_LADDER_TOKENS)]
+
+    def cells(name):
+        out = []
+        for t in TP_LADDER_TOKENS:
+            graph, b2b = (timed[timing][t].get(name) for timing in (bench_tp.GRAPH, bench_tp.BACK_TO_BACK))
+            out.append(" / ".join(f"{us:.2f}" if us is not None else "-" for us in (graph, b2b)))
+        return " | ".join(out)
+
+    for impl in registry.implementations("tp_qk_norm", registry.COMPILED_LEVELS):
+        rung = f"v{impl.version}" if impl.level == "cuda" else "tuned"
+        lines.append(f"| {rung} | {impl.lead} | {registers.get(impl.name, '-')} | {cells(impl.name)} |")
+    lines.append(f"| local shard | the same shard's `cross_head_norm` on one GPU, no communication: the floor | - | "
+                 f"{cells(bench_tp.LOCAL_SHARD)} |")
+    lines += ["", f"(us per call at MiniMax-M2's widths, graph / back to back ({_tp_when(pages)}); registers: ptxas for "
+                  f"{nvcc_report.DEFAULT_ARCH}, bf16, fused rounding, each rung's kernels at the TP=2 shard.)"]
+    return "\n".join(lines)
+
+
+def tp_which_table() -> str:
+    """Which kernel the tuned kernel runs at MiniMax-M2's widths at TP=2 and TP=4, with its launch
+    and registers: what `python -m cookbook explain tp_qk_norm` answers."""
+    import torch
+
+    from cookbook import explainer
+    from cookbook.bench import tp as bench_tp
+
+    contract = registry.contract("tp_qk_norm")
+    lines = ["| tokens | " + " | ".join(f"TP={world}: kernel, grid x block, registers" for world in TP_WHICH_WORLDS) + " |",
+             "|---|" + "---|" * len(TP_WHICH_WORLDS)]
+    for shape in contract.BENCH_SHAPES:
+        if tuple(shape[1:]) != bench_tp.MINIMAX_WIDTHS:
+            continue
+        cells = []
+        for world in TP_WHICH_WORLDS:
+            p = explainer.explain("tp_qk_norm", shape=tuple(shape), dtype=torch.bfloat16, world=world, gpu="h100").plan
+            name = p["kernel"].rsplit("::", 1)[1]
+            vecs = next((arg.split("=")[1] for arg in p["template_arguments"].split(", ")
+                         if arg.startswith("kVecsPerThread")), None)
+            cells.append(f"`{name}{f'<{vecs}>' if vecs else ''}` {int(p['grid']):,} x {p['block']}, {p['registers']}")
+        lines.append(f"| {shape[0]} | {' | '.join(cells)} |")
+    lines += ["", "(an H100 or H200: 132 SMs; bf16, fused rounding, each rank's shards as views of one fused qkv shard; "
+                  "`python -m cookbook explain tp_qk_norm --shape T,6144,1024 --world TP --gpu h100`; registers from "
+                  f"ptxas for {nvcc_report.DEFAULT_ARCH}.)"]
+    return "\n".join(lines)
 
 
 def tp_minimax_table() -> str:
-    """tp_qk_norm at MiniMax-M2's widths from the TP pages of record: the latest CUDA C version, the
-    fastest one, the same shard's single-GPU cross_head_norm, and SGLang's published TP=4 figures
-    beside the latest version timed both ways (the graph page's and the back-to-back page's)."""
+    """The tuned kernel against SGLang's fused TP kernel and the local shard at MiniMax-M2's widths
+    at TP=2, timed in one run on the same GPUs, by both methods."""
     from cookbook.bench import tp as bench_tp
 
-    op = "tp_qk_norm"
-    latest = registry.latest(op, "cuda").name
-
-    def load(world, timing=bench_tp.GRAPH):
-        path = RESULTS_DIR / f"{bench_tp.page_stem(RECORDED_GPU, world, timing)}.json"
-        return json.loads(path.read_text()) if path.exists() else {"rows": [], "metadata": {}}
-
-    pages = {world: load(world) for world in TP_WORLDS}
-    b2b = load(4, bench_tp.BACK_TO_BACK)
+    pages = tp_pages()
+    tuned = registry.fastest("tp_qk_norm").name
     header = ["tokens"]
-    for world in TP_WORLDS:
-        header += [f"TP={world}: {latest}", f"TP={world}: fastest version", f"TP={world}: local shard"]
-    header += ["SGLang, TP=4 (published)", f"TP=4 {latest} / published",
-               f"TP=4 {latest}, back to back", "back to back / published"]
+    for timing in pages:
+        name = "graph" if timing == bench_tp.GRAPH else "back to back"
+        header += [f"{name}: {tuned}", "SGLang", "ours / SGLang", "local shard"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     tokens = sorted({r["shape"][0] for d in pages.values() for r in d["rows"]
                      if tuple(r["shape"][1:]) == bench_tp.MINIMAX_WIDTHS})
     for t in tokens:
-        cells, latest_tp4 = [str(t)], None
-        for world, data in pages.items():
+        cells = [str(t)]
+        for data in pages.values():
             timed = bench_tp.timed_at(data["rows"], t)
-            best = bench_tp.fastest_version(timed)
-            local, mine = timed.get(bench_tp.LOCAL_SHARD), timed.get(latest)
-            latest_tp4 = mine if world == 4 else latest_tp4
-            cells += [f"{mine:.2f} ({mine / local:.2f}x local)" if mine and local else "-",
-                      f"{best[0]} {best[1]:.2f}" if best else "-", f"{local:.2f}" if local else "-"]
-        published = bench_tp.PUBLISHED_TP4_H200_US.get(t)
-        back_to_back = bench_tp.timed_at(b2b["rows"], t).get(latest)
-        cells += [f"{published:.1f}" if published else "-",
-                  f"{latest_tp4 / published:.2f}x" if published and latest_tp4 else "-",
-                  f"{back_to_back:.2f}" if back_to_back else "-",
-                  f"{back_to_back / published:.2f}x" if published and back_to_back else "-"]
+            ours, sglang, local = timed.get(tuned), timed.get(bench_tp.SGLANG_TP), timed.get(bench_tp.LOCAL_SHARD)
+            cells += [f"{ours:.2f}" if ours else "-", f"{sglang:.2f}" if sglang else "-",
+                      f"**{ours / sglang:.2f}**" if ours and sglang else "-", f"{local:.2f}" if local else "-"]
         lines.append("| " + " | ".join(cells) + " |")
-    when = "; ".join(f"TP={w}: {d['metadata'].get('date', '-')[:10]}, commit {d['metadata'].get('commit', '-')}"
-                     for w, d in pages.items())
-    b2b_when = f"{b2b['metadata'].get('date', '-')[:10]}, commit {b2b['metadata'].get('commit', '-')}"
-    lines += ["", f"(us per call, bf16; the slowest rank's median of CUDA-graph replays ({when}), and back to "
-                  f"back as SGLang's figures are timed: rank 0's mean over {bench_tp.B2B_REPLAYS} x {bench_tp.LAYERS} calls (TP=4: "
-                  f"{b2b_when}); see How the two benchmarks time a call.)"]
+    lines += ["", f"(us per call ({_tp_when(pages)}); graph: the slowest rank's median of CUDA-graph replays after a "
+                  f"barrier; back to back: rank 0's mean over {bench_tp.B2B_REPLAYS} x {bench_tp.LAYERS} calls; -: not "
+                  f"timed by that method.)"]
     return "\n".join(lines)
 
 
@@ -515,14 +566,14 @@ def named_tables(op: str) -> list[tuple[str, str]]:
     """(name, text) of each generated table of an op's page: the ladder layout's ladder and results
     tables; the older layout's versions table and, where a
     peers sweep is recorded (`--tag peers`), the comparison with the peers."""
+    if op == "tp_qk_norm":
+        return [("ladder", tp_ladder_table()), ("which", tp_which_table()), ("minimax", tp_minimax_table())]
     if any(impl.extension is not None for impl in registry.implementations(op)):
         from cookbook import explainer
 
         which = [("which", which_table(op))] if op in explainer.explainable() else []
         return [("ladder", ladder_table(op)), *which, ("results", results_table(op))]
     named = [("versions", table(op))]
-    if op == "tp_qk_norm":
-        named.append(("minimax", tp_minimax_table()))
     return named + ([("peers", results_table(op, "peers"))] if recorded_path(op, "peers").exists() else [])
 
 

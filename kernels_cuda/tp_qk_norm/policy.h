@@ -146,6 +146,20 @@ inline std::string template_values(const Kernel& kernel) {
   }
 }
 
+// The same, named: what `cookbook explain` prints.
+inline std::string template_arguments(const Kernel& kernel) {
+  const std::string t = std::string("T=") + storage_name(kernel.dtype);
+  const std::string hf = std::string("kHfRounding=") + (kernel.rounding == Rounding::kHf ? "true" : "false");
+  const std::string tile = ", kElems=" + std::to_string(kernel.pack_elems) + ", kStaged=" + (kernel.staged ? "true" : "false");
+  switch (kernel.name) {
+    case KernelName::kLean: return t + ", " + hf;
+    case KernelName::kLaggedWalk: return t + ", kVecsPerThread=" + std::to_string(kernel.vecs_per_thread) + ", " + hf;
+    case KernelName::kDecodeTiles:
+      return t + tile + ", " + hf + ", kEarlyEpoch=true, kProgrammatic=true, kBatched=true";
+    default: return t + tile + ", " + hf + ", kProgrammatic=true, kBatched=true";
+  }
+}
+
 inline const char* kernel_path(KernelName name) {
   switch (name) {
     case KernelName::kLean: return "lean";
@@ -159,6 +173,7 @@ inline std::string describe(const Plan& plan) {
   Description d;
   d.add("kernel", kernel_function(plan.kernel))
       .add("template_values", template_values(plan.kernel))
+      .add("template_arguments", template_arguments(plan.kernel))
       .add("path", kernel_path(plan.kernel.name))
       .add("grid", plan.grid)
       .add("block", plan.block)

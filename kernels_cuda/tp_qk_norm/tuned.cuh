@@ -103,12 +103,17 @@ cudaError_t launch(const FusedParams& call, cudaStream_t stream) {
   });
 }
 
-// What `launch` would launch for the call's first chunk, as the plan's key=value lines.
+// What `launch` would launch for the call's first chunk, as the plan's key=value lines, with the
+// kernel's registers as the driver reports them: `cookbook explain` on a GPU. Launches nothing.
 template <DType kDType, Rounding kRounding>
 std::string explain(const FusedParams& call) {
   FusedParams chunk = call;
   chunk.shard.num_tokens = call.shard.num_tokens < call.capacity ? call.shard.num_tokens : call.capacity;
-  return describe(plan_of<kDType, kRounding>(chunk));
+  const Plan chosen = plan_of<kDType, kRounding>(chunk);
+  cudaFuncAttributes attributes{};
+  const cudaError_t found =
+      cudaFuncGetAttributes(&attributes, kernel_of<Storage<kDType>, kRounding == Rounding::kHf>(chosen.kernel));
+  return describe(chosen) + Description{}.add("registers", found == cudaSuccess ? attributes.numRegs : -1).text;
 }
 
 // A rank that does not take part in a call (it rejected its arguments) still launches once, so
