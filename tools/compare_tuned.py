@@ -17,8 +17,8 @@ against the contract, then timed in the order old, new, new, old at every shape 
 of each show the run's noise). Several old versions (`--old-version 6,13,14`): at each shape each
 is timed once first and the fastest of them is the old candidate there. Writes
 docs/results/<op>_<gpu>_tuned_vs_<commit>.{md,json}. `--rounds R` repeats that order R times (each candidate timed 2R times: for a shape whose timings
-split into modes) and `--only TEXT` keeps the shapes whose label contains TEXT (the page's name then
-ends in `_only_<TEXT>`). `--build-only` builds both and stops (the
+split into modes) and `--only TEXT` keeps the shapes whose label contains TEXT (repeatable: any of them; the page's
+name then ends in `_only_<TEXT>`). `--build-only` builds both and stops (the
 older layout's one translation unit takes minutes: start it early; the timing run loads it from
 the cache). How each op's kernels are called: its entry of CALLS below.
 """
@@ -162,7 +162,8 @@ def main(argv=None) -> int:
                              "them at each shape), or 'tuned' (the ladder layout's tuned kernel)")
     parser.add_argument("--results-dir", type=Path, default=bench.REPO_ROOT / "docs" / "results")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the order old, new, new, old this many times")
-    parser.add_argument("--only", metavar="TEXT", help="time only the shapes whose label contains TEXT")
+    parser.add_argument("--only", metavar="TEXT", action="append",
+                        help="time only the shapes whose label contains TEXT (repeatable: any of them)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds: expected at least 1, got {args.rounds}")
@@ -184,7 +185,8 @@ def main(argv=None) -> int:
     copy_gb_per_s = bench.copy_bandwidth_gb_per_s()
     choosing = len(olds) if len(olds) > 1 else 0
     shapes = [shape for shape in contract.BENCH_SHAPES
-              if args.only is None or args.only in contract.bench_case(shape, bench.DEFAULT_DTYPE, "meta", 0)[1]]
+              if args.only is None or any(text in contract.bench_case(shape, bench.DEFAULT_DTYPE, "meta", 0)[1]
+                                         for text in args.only)]
     if not shapes:
         parser.error(f"--only: no bench shape of {op} has {args.only!r} in its label")
     order = ORDER * args.rounds
@@ -214,7 +216,7 @@ def main(argv=None) -> int:
         f"the fastest of {', '.join(c.name.split('@')[0] for c in olds)}@{args.old_commit}"
     meta["old"] = {"commit": args.old_commit, "implementation": old_name}
     meta["rounds"] = args.rounds
-    suffix = "" if args.only is None else "_only_" + "".join(c if c.isalnum() else "_" for c in args.only)
+    suffix = "" if args.only is None else "_only_" + "".join(c if c.isalnum() else "_" for c in "_".join(args.only))
     write(op, rows, meta, args.results_dir, old_name, suffix)
     return 0
 
