@@ -732,19 +732,16 @@ class QkNormRopeCache:
                         ("lane group", f"{p['lanes_per_row']} lanes per row, {p['rows_per_block']} rows per block of "
                                        f"{p['block']} threads"),
                         ("grid", f"{int(p['grid']):,} blocks, a row per lane group: {p['waves']} wave(s) of "
-                                 f"{p['sms']} SMs x {p['blocks_per_sm']} blocks"),
-                        ("accesses", "evict-first (streaming) rows and caches: the grid spans several waves"
-                         if p["streaming"] == "true" else "the default cache policy: the grid fits in one wave, and "
-                         "the rows the previous kernel just wrote are read from L2")]
+                                 f"{p['sms']} SMs x {p['blocks_per_sm']} blocks")]
 
     # The generated "which kernel runs" table of docs/qk_norm_rope_cache.md: its policy columns.
-    SUMMARY = ("path", "waves", "accesses")
+    SUMMARY = ("path", "waves")
 
     @staticmethod
     def summary(p: dict[str, str], a) -> list[str]:
         if p["path"] == "split":
-            return ["split", "-", "-"]
-        return ["one pass", p["waves"], "streaming" if p["streaming"] == "true" else "default"]
+            return ["split", "-"]
+        return ["one pass", p["waves"]]
 
 
 class TpQkNorm:

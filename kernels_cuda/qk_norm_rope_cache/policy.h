@@ -6,10 +6,7 @@
 //     boundaries, rope_dim is whole two-vector units and head_dim is compiled (64, 128, 256): the
 //     tuned kernel, one row per lane group over every q, k and v row, programmatic;
 //   * split: otherwise, qk_norm_rope's rung 2 (a warp per row) on q and k, then rung 1's copy
-//     kernel (cache_copy.cuh): element-wise, any alignment and head_dim;
-//   * the one-pass kernel's accesses: the rows and the caches with the evict-first policy where its
-//     grid spans kPolicy.streaming_min_waves waves or more (prefill), the default policy below
-//     (decode: the rows were just written by the previous kernel, and are read from L2).
+//     kernel (cache_copy.cuh): element-wise, any alignment and head_dim.
 // docs/qk_norm_rope_cache.md gives the measurements behind the choices.
 #pragma once
 
@@ -37,12 +34,6 @@ using qk_norm_rope::tuned::TableDtype;
 using qk_norm_rope::tuned::vec_elems_of;
 
 constexpr int kCopyWarpsPerBlock = 8;  // the copy kernel's block (cache_copy.cuh keeps the same constant)
-
-// The policy's one threshold, named.
-struct Policy {
-  int64_t streaming_min_waves;  // a one-pass grid of at least this many waves: evict-first accesses
-};
-constexpr Policy kPolicy{/*streaming_min_waves=*/2};
 
 // What the policy reads of a call.
 struct Call {
@@ -88,7 +79,6 @@ struct Plan {
   int block = 0;
   int shared_bytes = 0;
   bool programmatic = false;
-  bool streaming = false;    // the rows and the caches read and written with the evict-first policy
   OffVectors off_vectors = OffVectors::kNone;
   int lanes_per_row = 0;
   int rows_per_block = 0;
@@ -130,7 +120,6 @@ Plan plan(const Call& call, int sms, BlocksPerSm&& blocks_per_sm) {
   plan.grid = ceil_div(plan.rows, plan.rows_per_block);
   plan.blocks_per_sm = blocks_per_sm(plan.kernel);
   plan.waves = ceil_div(plan.grid, static_cast<int64_t>(sms) * (plan.blocks_per_sm > 0 ? plan.blocks_per_sm : 1));
-  plan.streaming = plan.waves >= kPolicy.streaming_min_waves;
   return plan;
 }
 
@@ -190,8 +179,7 @@ inline std::string describe(const Plan& plan) {
       .add("off_vectors", name_of(plan.off_vectors))
       .add("cache", name_of(plan.kernel.cache));
   if (plan.kernel.name == KernelName::kOnePass) {
-    facts.add("sms", plan.sms).add("blocks_per_sm", plan.blocks_per_sm).add("waves", plan.waves)
-        .add("streaming", plan.streaming);
+    facts.add("sms", plan.sms).add("blocks_per_sm", plan.blocks_per_sm).add("waves", plan.waves);
   }
   return facts.text();
 }

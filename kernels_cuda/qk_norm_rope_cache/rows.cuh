@@ -75,32 +75,14 @@ struct WordOf<8> { using type = uint2; };
 template <>
 struct WordOf<16> { using type = uint4; };
 
-// A row's 16-byte vector, read or written with the evict-first policy where `streaming` (each of
-// those bytes is touched once by the kernel; a uniform choice of the whole launch) or with the
-// default one.
-template <typename T>
-__device__ __forceinline__ Vec<T> load_row_vec(const T* p, bool streaming) {
-  return streaming ? load_vec_streaming<T>(p) : load_vec<T>(p);
-}
-
-template <typename T>
-__device__ __forceinline__ void store_row_vec(T* p, const Vec<T>& in, bool streaming) {
-  if (streaming) {
-    store_vec_streaming<T>(p, in);
-  } else {
-    store_vec<T>(p, in);
-  }
-}
-
 // kVecs contiguous vectors of the row (as packed for x: rounded to T) stored at `dst` in the
-// cache's dtype: kVecs 16-byte stores, or, FP8, one store of kVecs * kElems bytes; with the
-// evict-first policy where `streaming` (each cache byte is written once and read by a later kernel).
-template <typename T, CacheDtype kCache, int kVecs>
-__device__ __forceinline__ void store_cache(CacheElem<T, kCache>* dst, const Vec<T> (&x)[kVecs], float scale,
-                                            bool streaming) {
+// cache's dtype: kVecs 16-byte stores, or, FP8, one store of kVecs * kElems bytes. kStreaming: with
+// the evict-first policy (each cache byte is written once and read by a later kernel).
+template <typename T, CacheDtype kCache, bool kStreaming, int kVecs>
+__device__ __forceinline__ void store_cache(CacheElem<T, kCache>* dst, const Vec<T> (&x)[kVecs], float scale) {
   if constexpr (kCache == CacheDtype::kActivation) {
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) store_row_vec<T>(dst + i * Vec<T>::kElems, x[i], streaming);
+    for (int i = 0; i < kVecs; ++i) store_x<T, kStreaming>(dst + i * Vec<T>::kElems, x[i]);
   } else {
     constexpr int kBytes = kVecs * Vec<T>::kElems;
     using Word = typename WordOf<kBytes>::type;
@@ -114,7 +96,7 @@ __device__ __forceinline__ void store_cache(CacheElem<T, kCache>* dst, const Vec
     }
     Word word;
     memcpy(&word, bytes, kBytes);  // register moves
-    if (streaming) {
+    if constexpr (kStreaming) {
       __stcs(reinterpret_cast<Word*>(dst), word);
     } else {
       *reinterpret_cast<Word*>(dst) = word;

@@ -1,14 +1,10 @@
-// tuned: v3's kernel with the FP8 scales read with the row, streaming accesses at prefill and v rows stored as whole 16-element units; calls off the vector path split, chosen by one named policy
+// tuned: v3's kernel with the FP8 scales read with the row, 4 blocks per SM with an FP8 cache and v rows stored as whole 16-element units; calls off the vector path split, chosen by one named policy
 //
 // What `backend="cuda"` and `"auto"` run. Rung 3's kernel (programmatic launch, the tables, slot
 // and position warmed into L2 during the wait and read with the row), with what the ladder leaves
 // out because it teaches no new idea but calls gain from it:
 //   * an FP8 cache's scales warmed during the wait and read right behind the row, where rung 3
 //     reads each at its store: one round trip less on decode's chain;
-//   * at prefill (the plan's `streaming`: a grid of several waves) q, k and v read and written,
-//     and the caches written, with the evict-first policy (load/store_row_vec, __stcs): each of
-//     those bytes is touched once by this kernel. At decode the default policy: the rows were just
-//     written by the previous kernel and are read from L2;
 //   * a unit whose two vectors are neighbours in memory (a v row's, a k row's pass-through or
 //     interleaved units) stored into the cache as one store: an FP8 unit of a bf16 row is 16
 //     elements in one 16-byte store, where rung 3 makes two 8-byte ones;
@@ -48,7 +44,7 @@ constexpr int kMinBlocksPerSm = kCache == CacheDtype::kFp8E4m3 ? kFp8BlocksPerSm
 template <typename T, Rounding kRounding, int kHeadDim, Layout kLayout, TableDtype kWeights, TableDtype kCosSin,
           CacheDtype kCache>
 __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm<kCache>)
-    qk_norm_rope_cache_tuned_kernel(Params p, int64_t rows, bool streaming) {
+    qk_norm_rope_cache_tuned_kernel(Params p, int64_t rows) {
   using Lanes = PairLanes<T, kHeadDim>;
   using C = CacheElem<T, kCache>;
   using WeightT = TableType<T, kWeights>;
@@ -96,8 +92,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm<kCache>)
   Vec<T> a[kUnits], b[kUnits];
 #pragma unroll
   for (int s = 0; s < kUnits; ++s) {
-    a[s] = active ? load_row_vec<T>(x + u.col_a[s], streaming) : zero_vec<T>();
-    b[s] = active ? load_row_vec<T>(x + u.col_b[s], streaming) : zero_vec<T>();
+    a[s] = active ? load_vec<T>(x + u.col_a[s]) : zero_vec<T>();
+    b[s] = active ? load_vec<T>(x + u.col_b[s]) : zero_vec<T>();
   }
   const int64_t slot = active && (is_k || is_v) ? slot_of(p, token) : -1;
   const float scale = !active ? 1.f  // the cache's scale (1 for a cache in the activation dtype: never read)
@@ -119,7 +115,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm<kCache>)
     C* dst = cache_row<C>(p.v_cache, slot, p.block_size, kv_head - r.num_kv_heads);
 #pragma unroll
     for (int s = 0; s < kUnits; ++s) {  // a v unit is two neighbouring vectors: one store
-      store_cache<T, kCache, 2>(dst + u.col_a[s], {a[s], b[s]}, scale, streaming);
+      store_cache<T, kCache, false, 2>(dst + u.col_a[s], {a[s], b[s]}, scale);
     }
   }
   float xa[kUnits][kVecElems], xb[kUnits][kVecElems];  // 3. the sum of squares (v rows add nothing)
@@ -141,14 +137,14 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm<kCache>)
     norm_rope_unit<T, kHf, kNeox>(xa[s], xb[s], wa[s], wb[s], cos[s], sin[s], u.rotates[s], rstd, r.weight_offset, ya,
                                   yb);
     const Vec<T> ra = pack<T>(ya), rb = pack<T>(yb);
-    store_row_vec<T>(x + u.col_a[s], ra, streaming);
-    store_row_vec<T>(x + u.col_b[s], rb, streaming);
+    store_vec<T>(x + u.col_a[s], ra);
+    store_vec<T>(x + u.col_b[s], rb);
     if (k_dst == nullptr) continue;
     if (kNeox && u.rotates[s]) {  // a NeoX unit's vectors lie rope_dim / 2 apart
-      store_cache<T, kCache, 1>(k_dst + u.col_a[s], {ra}, scale, streaming);
-      store_cache<T, kCache, 1>(k_dst + u.col_b[s], {rb}, scale, streaming);
+      store_cache<T, kCache, false, 1>(k_dst + u.col_a[s], {ra}, scale);
+      store_cache<T, kCache, false, 1>(k_dst + u.col_b[s], {rb}, scale);
     } else {  // neighbours: one store
-      store_cache<T, kCache, 2>(k_dst + u.col_a[s], {ra, rb}, scale, streaming);
+      store_cache<T, kCache, false, 2>(k_dst + u.col_a[s], {ra, rb}, scale);
     }
   }
 }
@@ -233,7 +229,7 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
   if (chosen.kernel.name == KernelName::kSplit) return copy::launch_split<kDType, kRounding>(p, stream);
   with_kernel<T, kRounding>(chosen.kernel, [&]<auto kKernel>() {
     launch_kernel(chosen.programmatic, kKernel, dim3(static_cast<unsigned>(chosen.grid)), dim3(chosen.block),
-                  static_cast<size_t>(chosen.shared_bytes), stream, p, chosen.rows, chosen.streaming);
+                  static_cast<size_t>(chosen.shared_bytes), stream, p, chosen.rows);
   });
   return cudaGetLastError();
 }
