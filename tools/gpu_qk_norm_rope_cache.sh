@@ -89,7 +89,7 @@ stage copy 200 python3 -m cookbook.copy_by_shape --results-dir docs/results
 stage props 300 python3 -m pytest -q -p no:cacheprovider -W ignore::numba.core.errors.NumbaPerformanceWarning \
   tests/test_qk_norm_rope_cache.py
 stage builds 150 python3 tools/build_times.py qk_norm_rope_cache
-stage notebook 150 python3 tools/run_notebook.py notebooks/06_qk_norm_rope_cache.py
+stage notebook 300 python3 tools/run_notebook.py notebooks/06_qk_norm_rope_cache.py
 
 pages=$(find docs/results notebooks -newer "$WORK/.start" -type f \( -name 'qk_norm_rope_cache*' -o -name 'copy_by_shape_*' \
   -o -name '06_qk_norm_rope_cache.ipynb' \) 2>/dev/null)

@@ -1,15 +1,12 @@
-// tuned: v3's kernel with the FP8 scales read with the row, 4 blocks per SM with an FP8 cache and v rows stored as whole 16-element units; calls off the vector path split, chosen by one named policy
+// tuned: v3's kernel with v rows and neighbouring units stored as whole 16-element units; calls off the vector path split, chosen by one named policy
 //
 // What `backend="cuda"` and `"auto"` run. Rung 3's kernel (programmatic launch, the tables, slot
-// and position warmed into L2 during the wait and read with the row), with what the ladder leaves
-// out because it teaches no new idea but calls gain from it:
-//   * an FP8 cache's scales warmed during the wait and read right behind the row, where rung 3
-//     reads each at its store: one round trip less on decode's chain;
-//   * a unit whose two vectors are neighbours in memory (a v row's, a k row's pass-through or
-//     interleaved units) stored into the cache as one store: an FP8 unit of a bf16 row is 16
-//     elements in one 16-byte store, where rung 3 makes two 8-byte ones;
-//   * with an FP8 cache, 4 resident blocks per SM (kFp8BlocksPerSm): the conversions of every k
-//     and v element are arithmetic that more warps hide.
+// and position warmed into L2 during the wait and read with the row, the default cache policy:
+// at decode the rows the previous kernel just wrote are read from L2), with what the ladder
+// leaves out because it teaches no new idea but every call gains from it: a unit whose two
+// vectors are neighbours in memory (a v row's, a k row's pass-through or interleaved units)
+// stored into the cache as one store, so an FP8 unit of a bf16 row is 16 elements in one 16-byte
+// store, where rung 3 makes two 8-byte ones.
 // Calls off the vector path take the split path: qk_norm_rope's warp per row, then rung 1's copy
 // kernel (cache_copy.cuh; policy.h says which runs when).
 //
@@ -34,17 +31,9 @@ static_assert(sizeof(kVectorHeadDims) / sizeof(kVectorHeadDims[0]) == 3, "with_k
 using qk_norm_rope::tuned::kNumWeights;  // q's and k's: block 0 warms each with one lane group
 using qk_norm_rope::tuned::TableType;    // a table's element type: the activation dtype T or float32
 
-// Resident blocks per SM the compiler keeps room for (__launch_bounds__' second argument): with an
-// FP8 cache 4, which caps a thread at 64 registers (a few bytes spill); with the activation dtype
-// the compiler's choice (a cap was slower at 8192 tokens).
-constexpr int kFp8BlocksPerSm = 4;
-template <CacheDtype kCache>
-constexpr int kMinBlocksPerSm = kCache == CacheDtype::kFp8E4m3 ? kFp8BlocksPerSm : 1;
-
 template <typename T, Rounding kRounding, int kHeadDim, Layout kLayout, TableDtype kWeights, TableDtype kCosSin,
           CacheDtype kCache>
-__global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm<kCache>)
-    qk_norm_rope_cache_tuned_kernel(Params p, int64_t rows) {
+__global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_kernel(Params p, int64_t rows) {
   using Lanes = PairLanes<T, kHeadDim>;
   using C = CacheElem<T, kCache>;
   using WeightT = TableType<T, kWeights>;
@@ -69,13 +58,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm<kCache>)
 
   // 0. while the previous kernel still runs: the group of each token's first head (a q row) warms
   // the token's slot, first (as rung 3: the cos/sin warming behind it waits for a position read),
-  // then qk_norm_rope's warming of the weights and of each token's cos/sin run; block 0's first
-  // lane the FP8 scales
+  // then qk_norm_rope's warming of the weights and of each token's cos/sin run
   if (active && head == 0) warm_l2(static_cast<const char*>(p.slot_mapping) + token * (p.slots_are_int64 ? 8 : 4));
-  if (kCache == CacheDtype::kFp8E4m3 && blockIdx.x == 0 && threadIdx.x == 0) {
-    warm_l2(p.k_cache.scale);
-    warm_l2(p.v_cache.scale);
-  }
   qk_norm_rope::tuned::warm_call_tables<T, kHeadDim, WeightT, CosSinT>(r, active, static_cast<uint32_t>(token), head,
                                                                       group, u);
   after_prior_grids();  // nothing is read before the previous kernel's writes are visible
@@ -96,10 +80,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm<kCache>)
     b[s] = active ? load_vec<T>(x + u.col_b[s]) : zero_vec<T>();
   }
   const int64_t slot = active && (is_k || is_v) ? slot_of(p, token) : -1;
-  const float scale = !active ? 1.f  // the cache's scale (1 for a cache in the activation dtype: never read)
-                      : is_v  ? cache_scale<kCache>(p.v_cache)
-                      : is_k  ? cache_scale<kCache>(p.k_cache)
-                              : 1.f;
   const int64_t cache = active && !is_v ? qk_norm_rope::cache_row(r, token) : -1;
   float wa[kUnits][kVecElems] = {}, wb[kUnits][kVecElems] = {}, cos[kUnits][kVecElems] = {}, sin[kUnits][kVecElems] = {};
   if (active && !is_v) {
@@ -113,6 +93,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm<kCache>)
 
   if (is_v && slot >= 0) {  // 2v. the v row into its slot, before the sum (which it only joins)
     C* dst = cache_row<C>(p.v_cache, slot, p.block_size, kv_head - r.num_kv_heads);
+    const float scale = cache_scale<kCache>(p.v_cache);
 #pragma unroll
     for (int s = 0; s < kUnits; ++s) {  // a v unit is two neighbouring vectors: one store
       store_cache<T, kCache, false, 2>(dst + u.col_a[s], {a[s], b[s]}, scale);
@@ -131,6 +112,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm<kCache>)
   if (!active || is_v) return;
 
   C* k_dst = slot >= 0 ? cache_row<C>(p.k_cache, slot, p.block_size, kv_head) : nullptr;  // 4. per unit
+  const float k_scale = k_dst != nullptr ? cache_scale<kCache>(p.k_cache) : 1.f;
 #pragma unroll
   for (int s = 0; s < kUnits; ++s) {
     float ya[kVecElems], yb[kVecElems];
@@ -141,10 +123,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm<kCache>)
     store_vec<T>(x + u.col_b[s], rb);
     if (k_dst == nullptr) continue;
     if (kNeox && u.rotates[s]) {  // a NeoX unit's vectors lie rope_dim / 2 apart
-      store_cache<T, kCache, false, 1>(k_dst + u.col_a[s], {ra}, scale);
-      store_cache<T, kCache, false, 1>(k_dst + u.col_b[s], {rb}, scale);
+      store_cache<T, kCache, false, 1>(k_dst + u.col_a[s], {ra}, k_scale);
+      store_cache<T, kCache, false, 1>(k_dst + u.col_b[s], {rb}, k_scale);
     } else {  // neighbours: one store
-      store_cache<T, kCache, false, 2>(k_dst + u.col_a[s], {ra, rb}, scale);
+      store_cache<T, kCache, false, 2>(k_dst + u.col_a[s], {ra, rb}, k_scale);
     }
   }
 }
