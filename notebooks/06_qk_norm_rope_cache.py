@@ -194,8 +194,8 @@ walkthrough.effect(measured, "cuda_v2", "cuda_v3")
 # %% [markdown]
 # ## 7. The tuned kernel and its policy
 #
-# Rung 3's kernel with streaming accesses and a v unit (two neighbouring vectors) stored as one
-# 16-byte FP8 store, and one host policy: the one-pass kernel where every tensor is whole 16-byte
+# Rung 3's kernel with a v unit (two neighbouring vectors) stored as one 16-byte FP8 store, and
+# one host policy: the one-pass kernel where every tensor is whole 16-byte
 # vectors and head_dim is compiled, the split path otherwise (qk_norm_rope's warp per row, then
 # rung 1's copy kernel). `cookbook.explain` asks it:
 
