@@ -544,9 +544,11 @@ def register_rows(op: str, names, keep, compile_names=None) -> tuple[list, list]
     the kernels of each extension in `names` (its own namespace's, not a lower rung's it falls
     back to) that `keep(kernel)` selects. Names outside `compile_names` (when given) are listed
     only if their report is cached: an extension takes 10 s to minutes to compile on a CPU."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from cookbook import nvcc_report
 
-    rows, skipped = [], []
+    rows, skipped, compiled = [], [], {}
     for name in names:
         ext = registry.get(op, name).extension
         if ext is None:
@@ -554,6 +556,11 @@ def register_rows(op: str, names, keep, compile_names=None) -> tuple[list, list]
         if compile_names is not None and name not in compile_names and not _report_cached(ext):
             skipped.append(name)
             continue
+        compiled[name] = ext
+    # One nvcc per extension, all at once (each is one single-threaded unit; the reports are cached)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(compiled), os.cpu_count() or 1))) as pool:
+        list(pool.map(lambda ext: nvcc_report.compile_extension(ext.name), compiled.values()))
+    for name, ext in compiled.items():
         own = _mangled_namespace(ext.namespace)
         for kernel in nvcc_report.compile_extension(ext.name):
             if own in kernel.mangled and keep(kernel):
