@@ -107,8 +107,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     op = args.op
     first = fresh_run(FIRST_CALL.format(op=op))
+    print(f"first auto call: {first['seconds']:.1f} s", flush=True)  # each run as it ends: a run cut short keeps these
     whole = fresh_run(WHOLE_OP.format(op=op), args.cache)
+    print(f"the whole op: {whole['seconds']:.1f} s", flush=True)
     forward = fresh_run(FIRST_FORWARD.format(family=args.first_forward)) if args.first_forward else None
+    if forward is not None:
+        print(f"patch to the first forward's logits: {forward['seconds']:.1f} s", flush=True)
     meta = bench.metadata(shlex.join(["python", "tools/build_times.py", *argv]), 0.0, torch.bfloat16)
     meta.update(cpu_cores=os.cpu_count())
     rows = [["first `backend=\"auto\"` call (import to result)", f"{first['seconds']:.1f}",
