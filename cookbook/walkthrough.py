@@ -557,12 +557,12 @@ def register_rows(op: str, names, keep, compile_names=None) -> tuple[list, list]
             skipped.append(name)
             continue
         compiled[name] = ext
-    # One nvcc per extension, all at once (each is one single-threaded unit; the reports are cached)
+    # One nvcc per extension, all at once: each is one single-threaded unit
     with ThreadPoolExecutor(max_workers=max(1, min(len(compiled), os.cpu_count() or 1))) as pool:
-        list(pool.map(lambda ext: nvcc_report.compile_extension(ext.name), compiled.values()))
-    for name, ext in compiled.items():
+        reports = pool.map(lambda ext: nvcc_report.compile_extension(ext.name), compiled.values())
+    for (name, ext), kernels in zip(compiled.items(), reports):
         own = _mangled_namespace(ext.namespace)
-        for kernel in nvcc_report.compile_extension(ext.name):
+        for kernel in kernels:
             if own in kernel.mangled and keep(kernel):
                 rows.append((name, short_kernel_name(kernel.kernel), kernel.registers, kernel.spill_bytes,
                              warps_allowed(kernel.registers)))
