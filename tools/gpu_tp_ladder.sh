@@ -7,6 +7,7 @@
 #   build_tuned  the tuned extension alone from an empty cache, timed (what the first backend="auto" call pays)
 #   build_all    every tp_qk_norm extension (rungs v1-v7, tuned) and cross_head_norm's tuned kernel, in parallel
 #   checks       tests/tp_gpu_checks.py --quick at 2 ranks (tuned, every rung)
+#   explain      tests/test_gpu_explain.py -k tp on one GPU: the GPU's plan equals the host's at TP=2, 4 and 8
 #   bench        the TP=2 benchmark at MiniMax-M2's widths: every rung, tuned, the local shard and SGLang's
 #                kernel, graph replays, pages into docs/results
 #   b2b          the same rows timed back to back (SGLang's method) at 1, 128, 2048 and 16384 tokens
@@ -65,6 +66,7 @@ for name, r in results.items(): print(name, r)
 raise SystemExit(any(isinstance(r, Exception) for r in results.values()))"
 ranks() { echo python3 -m torch.distributed.run --standalone --nproc-per-node="$1"; }
 stage checks 130 $(ranks 2) tests/tp_gpu_checks.py --quick
+CUDA_VISIBLE_DEVICES=0 stage explain 60 python3 -m pytest -q -x tests/test_gpu_explain.py -k tp
 rows=$(python3 -c "from cookbook import registry; print(','.join([i.name for i in registry.implementations('tp_qk_norm', ('cuda', 'tuned'))] + ['local_cross_head_norm', 'sglang_fused_parallel_qknorm']))")
 stage bench 150 python3 -m cookbook.bench.tp --nproc 2 --shapes minimax --impls "$rows" --results-dir docs/results \
   --out "$OUT/bench_graph"
