@@ -214,9 +214,13 @@ def host_program(op: str) -> Path:
     return program
 
 
+_BOOL_CAST = {"(bool)1": "true", "(bool)0": "false"}  # cu++filt's spelling of a bool; c++filt prints true/false
+
+
 def _split_template(demangled: str) -> tuple[str, str] | None:
     """("cookbook::ns::kernel", "v1,v2,...") of a demangled kernel name: its template arguments
-    with the casts nvcc's report prints before enum values ("(cookbook::Rounding)1" -> "1")."""
+    with the casts nvcc's report prints before enum values ("(cookbook::Rounding)1" -> "1") and bools
+    as true/false, whichever demangler printed them."""
     name = demangled.removeprefix("void ")
     start = name.find("<")
     if start < 0:
@@ -235,7 +239,7 @@ def _split_template(demangled: str) -> tuple[str, str] | None:
         else:
             current += char
     args.append(current)
-    values = [re.sub(r"^\([^()]*\)", "", arg.strip()) for arg in args]
+    values = [_BOOL_CAST.get(arg.strip(), re.sub(r"^\([^()]*\)", "", arg.strip())) for arg in args]
     return name[:start], ",".join(values)
 
 

@@ -137,3 +137,7 @@ def test_template_arguments_are_read_from_nvccs_names():
             "(cookbook::qk_norm::tuned::Warm)0, (cookbook::qk_norm::tuned::WeightLoad)1>(cookbook::qk_norm::Params, "
             "unsigned int, cookbook::FastDivisor, unsigned int)")
     assert explainer._split_template(name) == ("cookbook::qk_norm::tuned::qk_norm_tuned_kernel", "__nv_bfloat16,1,192,1,0,1")
+    lean = "cookbook::tp_qk_norm::v7::lean_rows_kernel"
+    for bools in ("true, false", "(bool)1, (bool)0"):  # c++filt's spelling, then cu++filt's
+        assert explainer._split_template(f"void {lean}<__nv_bfloat16, {bools}>(cookbook::tp_qk_norm::FusedParams)") == \
+            (lean, "__nv_bfloat16,true,false")
