@@ -705,7 +705,8 @@ class QkNormRopeCache:
                 f"cos_sin={int(a.cos_sin_cache.dtype == torch.float32)}", f"cache={int(a.k_cache.dtype == FP8)}",
                 f"rows_are_vectors={flag(QkNormRopeCache._rows_are_vectors(a))}",
                 f"tables_are_vectors={flag(QkNormRope._tables_are_vectors(a))}",
-                f"caches_are_vectors={flag(QkNormRopeCache._caches_are_vectors(a))}"]
+                f"caches_are_vectors={flag(QkNormRopeCache._caches_are_vectors(a))}",
+                f"num_slots={a.k_cache.shape[0] * a.k_cache.shape[1]}"]
 
     @staticmethod
     def ask_gpu(a) -> dict[str, str]:
@@ -719,7 +720,8 @@ class QkNormRopeCache:
     OFF_VECTORS = {**QkNormRope.OFF_VECTORS,
                    "rows_unaligned": "a row of q, k or v does not start on a 16-byte boundary",
                    "caches_unaligned": "a cache does not start on a 16-byte boundary or its strides are not whole "
-                                       "two-vector units"}
+                                       "two-vector units",
+                   "index_over_31_bits": "over 2^31 rows or cache slots (the one-pass kernel indexes them in 32 bits)"}
 
     @staticmethod
     def policy(p: dict[str, str], a) -> list[tuple[str, str]]:

@@ -68,6 +68,14 @@ def test_every_table_storage_and_layout(impl, fp8):
 
 
 @pytest.mark.parametrize("impl", COMPILED)
+@pytest.mark.parametrize("block_size", [1, 3, 16, 544])
+def test_any_block_size(impl, block_size):
+    """A slot's block and offset for any block_size (the tuned kernel divides by multiply-high)."""
+    inputs = _inputs((300, 8, 2, 128, 128, True), block_size % 2 == 1, seed=block_size, block_size=block_size)
+    check_run(impl.fn, inputs, name=impl.name)
+
+
+@pytest.mark.parametrize("impl", COMPILED)
 def test_minus_one_and_out_of_range_slots_are_untouched(impl):
     inputs = _inputs((64, 8, 2, 128, 128, True), True, seed=5, block_size=16, num_blocks=8)
     slots = torch.arange(64, device="cuda") * 2

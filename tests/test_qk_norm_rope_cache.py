@@ -454,15 +454,20 @@ def test_bench_case_slots_and_bytes():
 
 POLICY_DRIVER = r"""
 #include <iostream>
+#include <sstream>
+#include <string>
 #include "qk_norm_rope_cache/policy.h"
 using namespace cookbook::qk_norm_rope_cache;
 using namespace cookbook::qk_norm_rope_cache::tuned;
-int main() {  // per line: T Hq Hk D rope neox fp8 rows_aligned tables_aligned caches_aligned sms blocks_per_sm
-  long t; int hq, hk, d, rope, neox, fp8, rows, tables, caches, sms, bps;
-  while (std::cin >> t >> hq >> hk >> d >> rope >> neox >> fp8 >> rows >> tables >> caches >> sms >> bps) {
+int main() {  // per line: T Hq Hk D rope neox fp8 rows_aligned tables_aligned caches_aligned sms blocks_per_sm [slots]
+  long t, slots; int hq, hk, d, rope, neox, fp8, rows, tables, caches, sms, bps;
+  for (std::string line; std::getline(std::cin, line);) {
+    std::istringstream in(line);
+    if (!(in >> t >> hq >> hk >> d >> rope >> neox >> fp8 >> rows >> tables >> caches >> sms >> bps)) continue;
+    if (!(in >> slots)) slots = t + 32;  // room for every token
     const Call call{cookbook::DType::kBFloat16, cookbook::Rounding::kFused, t, hq, hk, d, rope,
                     neox ? Layout::kNeox : Layout::kInterleaved, TableDtype::kActivation, TableDtype::kFloat32,
-                    fp8 ? CacheDtype::kFp8E4m3 : CacheDtype::kActivation, rows != 0, tables != 0, caches != 0};
+                    fp8 ? CacheDtype::kFp8E4m3 : CacheDtype::kActivation, rows != 0, tables != 0, caches != 0, slots};
     std::cout << describe(plan(call, sms, [&](const Kernel&) { return bps; })) << "---\n";
   }
 }
@@ -514,11 +519,22 @@ def test_policy_one_pass(tmp_path_factory, line, grid, waves):
                                        ("64 8 2 128 24 1 0 1 1 1 132 3", "rope_dim_not_whole_units"),
                                        ("64 8 2 128 128 1 0 0 1 1 132 3", "rows_unaligned"),
                                        ("64 8 2 128 128 1 0 1 0 1 132 3", "tables_unaligned"),
-                                       ("64 8 2 128 128 1 1 1 1 0 132 3", "caches_unaligned")])
+                                       ("64 8 2 128 128 1 1 1 1 0 132 3", "caches_unaligned"),
+                                       ("64 8 2 128 128 1 0 1 1 1 132 3 2147483649", "index_over_31_bits")])
 def test_policy_splits_off_the_vectors(tmp_path_factory, line, why):
     (plan,) = _plans(tmp_path_factory, [line])
     assert plan["path"] == "split" and plan["off_vectors"] == why, plan
     assert plan["kernel"].endswith("copy::qk_norm_rope_cache_copy_kernel") and int(plan["grid"]) == 64 * 2 // 8
+
+
+def test_policy_one_pass_up_to_2_to_the_31_rows_and_slots(tmp_path_factory):
+    """The one-pass kernel indexes rows and slots in 32 bits: up to 2^31 of each it runs, one more splits."""
+    heads = 32 + 2 * 8
+    most = 2**31 // heads  # tokens whose rows stay within 2^31
+    lines = [f"{most} 32 8 128 128 1 0 1 1 1 132 4 {2**31}", f"{most + 1} 32 8 128 128 1 0 1 1 1 132 4"]
+    inside, too_many_rows = _plans(tmp_path_factory, lines)
+    assert inside["path"] == "one_pass" and int(inside["rows"]) == most * heads <= 2**31, inside
+    assert too_many_rows["path"] == "split" and too_many_rows["off_vectors"] == "index_over_31_bits", too_many_rows
 
 
 def test_policy_kernel_names_its_template_arguments(tmp_path_factory):

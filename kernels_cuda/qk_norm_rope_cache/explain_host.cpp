@@ -21,7 +21,8 @@ int main() {
                   static_cast<CacheDtype>(in.integer("cache")),
                   in.flag("rows_are_vectors"),
                   in.flag("tables_are_vectors"),
-                  in.flag("caches_are_vectors")};
+                  in.flag("caches_are_vectors"),
+                  in.integer("num_slots")};
   const Plan chosen = plan(call, in.sms(), [&](const Kernel& kernel) {
     return in.blocks_per_sm(kernel_function(kernel), template_values(kernel), kernel.block);
   });

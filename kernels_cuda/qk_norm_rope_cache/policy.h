@@ -3,8 +3,9 @@
 // and `cookbook explain` runs the same code on the host (explain_host.cpp), off a GPU.
 //
 //   * one pass: where q, k, v, the tables and both caches are whole 16-byte vectors on 16-byte
-//     boundaries, rope_dim is whole two-vector units and head_dim is compiled (64, 128, 256): the
-//     tuned kernel, one row per lane group over every q, k and v row, programmatic;
+//     boundaries, rope_dim is whole two-vector units, head_dim is compiled (64, 128, 256) and the
+//     rows and cache slots number under 2^31 (the kernel indexes them in 32 bits): the tuned
+//     kernel, one row per lane group over every q, k and v row, programmatic;
 //   * split: otherwise, qk_norm_rope's rung 2 (a warp per row) on q and k, then rung 1's copy
 //     kernel (cache_copy.cuh): element-wise, any alignment and head_dim.
 // docs/qk_norm_rope_cache.md gives the measurements behind the choices.
@@ -35,6 +36,11 @@ using qk_norm_rope::tuned::vec_elems_of;
 
 constexpr int kCopyWarpsPerBlock = 8;  // the copy kernel's block (cache_copy.cuh keeps the same constant)
 
+// The one-pass kernel divides row and slot indices by multiply-high in 32 bits: at most 2^31 rows
+// and slots, so that a row past the last (a block's idle groups) cannot wrap either.
+constexpr int64_t kMaxOnePassIndex = int64_t{1} << 31;
+static_assert(kMaxOnePassIndex + kThreadsPerBlock <= (int64_t{1} << 32), "every row a block numbers fits in 32 bits");
+
 // What the policy reads of a call.
 struct Call {
   DType dtype;
@@ -51,6 +57,7 @@ struct Call {
   bool rows_are_vectors;     // every row of q, k and v starts on a 16-byte boundary
   bool tables_are_vectors;   // both weights and the cos/sin table start on 16-byte boundaries
   bool caches_are_vectors;   // both caches start on 16-byte boundaries, strides whole two-vector units
+  int64_t num_slots;         // the caches' rows: num_blocks * block_size
 };
 
 // A kernel the plan can launch, with its template arguments.
@@ -69,7 +76,7 @@ struct Kernel {
 };
 
 // Why a call is off the vector path (kNone: it is on it).
-enum class OffVectors : int { kNone, kRowsUnaligned, kTablesUnaligned, kCachesUnaligned, kRopeDim, kHeadDim };
+enum class OffVectors : int { kNone, kRowsUnaligned, kTablesUnaligned, kCachesUnaligned, kRopeDim, kHeadDim, kIndexOver31Bits };
 
 // What the policy picks for one call, and the numbers that decided it.
 struct Plan {
@@ -100,6 +107,7 @@ Plan plan(const Call& call, int sms, BlocksPerSm&& blocks_per_sm) {
                      : !call.caches_are_vectors              ? OffVectors::kCachesUnaligned
                      : call.rope_dim % (2 * vec_elems) != 0  ? OffVectors::kRopeDim
                      : !is_vector_head_dim(call.head_dim)    ? OffVectors::kHeadDim
+                     : plan.rows > kMaxOnePassIndex || call.num_slots > kMaxOnePassIndex ? OffVectors::kIndexOver31Bits
                                                              : OffVectors::kNone;
   if (plan.rows == 0) return plan;  // nothing to launch
   if (plan.off_vectors != OffVectors::kNone) {  // the split path; the grid and block: its copy kernel's
@@ -134,6 +142,7 @@ inline const char* name_of(OffVectors why) {
     case OffVectors::kCachesUnaligned: return "caches_unaligned";
     case OffVectors::kRopeDim: return "rope_dim_not_whole_units";
     case OffVectors::kHeadDim: return "head_dim_not_compiled";
+    case OffVectors::kIndexOver31Bits: return "index_over_31_bits";
     default: return "none";
   }
 }

@@ -76,13 +76,13 @@ template <>
 struct WordOf<16> { using type = uint4; };
 
 // kVecs contiguous vectors of the row (as packed for x: rounded to T) stored at `dst` in the
-// cache's dtype: kVecs 16-byte stores, or, FP8, one store of kVecs * kElems bytes. kStreaming: with
-// the evict-first policy (each cache byte is written once and read by a later kernel).
-template <typename T, CacheDtype kCache, bool kStreaming, int kVecs>
+// cache's dtype: kVecs 16-byte stores, or, FP8, one store of kVecs * kElems bytes. The default
+// cache policy (evict-first stores were slower at decode: the page's tried-and-dropped table).
+template <typename T, CacheDtype kCache, int kVecs>
 __device__ __forceinline__ void store_cache(CacheElem<T, kCache>* dst, const Vec<T> (&x)[kVecs], float scale) {
   if constexpr (kCache == CacheDtype::kActivation) {
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) store_x<T, kStreaming>(dst + i * Vec<T>::kElems, x[i]);
+    for (int i = 0; i < kVecs; ++i) store_vec<T>(dst + i * Vec<T>::kElems, x[i]);
   } else {
     constexpr int kBytes = kVecs * Vec<T>::kElems;
     using Word = typename WordOf<kBytes>::type;
@@ -96,11 +96,7 @@ __device__ __forceinline__ void store_cache(CacheElem<T, kCache>* dst, const Vec
     }
     Word word;
     memcpy(&word, bytes, kBytes);  // register moves
-    if constexpr (kStreaming) {
-      __stcs(reinterpret_cast<Word*>(dst), word);
-    } else {
-      *reinterpret_cast<Word*>(dst) = word;
-    }
+    *reinterpret_cast<Word*>(dst) = word;
   }
 }
 

@@ -1,12 +1,17 @@
-// tuned: v3's kernel with v rows and neighbouring units stored as whole 16-element units; calls off the vector path split, chosen by one named policy
+// tuned: v3's kernel in 64 registers (four blocks per SM), no division on the device, neighbouring units stored whole; calls off the vector path split, chosen by one named policy
 //
 // What `backend="cuda"` and `"auto"` run. Rung 3's kernel (programmatic launch, the tables, slot
 // and position warmed into L2 during the wait and read with the row, the default cache policy:
 // at decode the rows the previous kernel just wrote are read from L2), with what the ladder
-// leaves out because it teaches no new idea but every call gains from it: a unit whose two
-// vectors are neighbours in memory (a v row's, a k row's pass-through or interleaved units)
-// stored into the cache as one store, so an FP8 unit of a bf16 row is 16 elements in one 16-byte
-// store, where rung 3 makes two 8-byte ones.
+// leaves out because it teaches no new idea but every call gains from it:
+//   * the weights held as loaded (a 16-byte vector of 8 bf16 values) and widened to float32 at
+//     their use: 61 registers with a bf16 cache, 64 with FP8 (rung 3: 76, 80), so four blocks of
+//     256 threads per SM instead of three: a third more rows in flight;
+//   * a row's (token, head) and a slot's (block, offset) by multiply-high (FastDivisor) in 32 bits,
+//     where rung 3 divides 64-bit integers (the policy keeps rows and slots under 2^31);
+//   * a unit whose two vectors are neighbours in memory (a v row's, a k row's pass-through or
+//     interleaved units) stored into the cache as one store, so an FP8 unit of a bf16 row is 16
+//     elements in one 16-byte store, where rung 3 makes two 8-byte ones.
 // Calls off the vector path take the split path: qk_norm_rope's warp per row, then rung 1's copy
 // kernel (cache_copy.cuh; policy.h says which runs when).
 //
@@ -31,9 +36,45 @@ static_assert(sizeof(kVectorHeadDims) / sizeof(kVectorHeadDims[0]) == 3, "with_k
 using qk_norm_rope::tuned::kNumWeights;  // q's and k's: block 0 warms each with one lane group
 using qk_norm_rope::tuned::TableType;    // a table's element type: the activation dtype T or float32
 
+// The launcher's divisors: the rows of a token (q's, k's and v's heads) and the cache's block_size.
+struct Divisors {
+  FastDivisor heads;
+  FastDivisor block_size;
+};
+
+// kN 16-byte vectors of a table stored as S from `offset`, kept as loaded (read-only loads).
+template <typename S, int kN>
+__device__ __forceinline__ void load_table_vecs(const void* table, int64_t offset, Vec<S> (&out)[kN]) {
+  const S* src = static_cast<const S*>(table) + offset;
+#pragma unroll
+  for (int c = 0; c < kN; ++c) out[c] = load_vec_readonly<S>(src + c * Vec<S>::kElems);
+}
+
+// Those vectors as float32 (at their use: held widened, they would cost a block per SM).
+template <typename S, int kN, int kElems>
+__device__ __forceinline__ void widen(const Vec<S> (&v)[kN], float (&out)[kElems]) {
+  static_assert(kN * Vec<S>::kElems == kElems, "whole vectors");
+#pragma unroll
+  for (int c = 0; c < kN; ++c) {
+    float part[Vec<S>::kElems];
+    unpack<S>(v[c], part);
+#pragma unroll
+    for (int j = 0; j < Vec<S>::kElems; ++j) out[c * Vec<S>::kElems + j] = part[j];
+  }
+}
+
+// The first element of kv head `head`'s row at `slot` (0 <= slot < 2^31: the policy) of cache `c`:
+// rows.cuh's cache_row with the block found by multiply-high. Offsets are 64-bit.
+template <typename C>
+__device__ __forceinline__ C* slot_row(const Cache& c, int64_t slot, const Params& p, const Divisors& div, int head) {
+  const uint32_t block = div.block_size.divide(static_cast<uint32_t>(slot));
+  const uint32_t at = static_cast<uint32_t>(slot) - block * static_cast<uint32_t>(p.block_size);
+  return static_cast<C*>(c.data) + block * c.block_stride + at * c.slot_stride + head * c.head_stride;
+}
+
 template <typename T, Rounding kRounding, int kHeadDim, Layout kLayout, TableDtype kWeights, TableDtype kCosSin,
           CacheDtype kCache>
-__global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_kernel(Params p, int64_t rows) {
+__global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_kernel(Params p, int64_t rows, Divisors div) {
   using Lanes = PairLanes<T, kHeadDim>;
   using C = CacheElem<T, kCache>;
   using WeightT = TableType<T, kWeights>;
@@ -46,11 +87,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_ker
   const qk_norm_rope::Params& r = p.rope;
   const int lane = threadIdx.x % Lanes::kLanes;
   const int group = threadIdx.x / Lanes::kLanes;
-  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + group;
+  const uint32_t row = blockIdx.x * kRowsPerBlock + group;  // < 2^31 + kRowsPerBlock (the policy)
   const bool active = row < rows;  // a group past the last row still joins its shuffles, on zeros
-  const int heads = r.num_q_heads + 2 * r.num_kv_heads;  // q's, k's and v's
-  const int64_t token = active ? row / heads : 0;
-  const int head = active ? static_cast<int>(row % heads) : 0;
+  const uint32_t heads = r.num_q_heads + 2 * r.num_kv_heads;  // q's, k's and v's
+  const uint32_t row_token = div.heads.divide(row);
+  const int64_t token = active ? row_token : 0;
+  const int head = active ? static_cast<int>(row - row_token * heads) : 0;
   const int kv_head = head - r.num_q_heads;  // k's head (< Hk), then v's (>= Hk)
   const bool is_v = kv_head >= r.num_kv_heads;
   const bool is_k = kv_head >= 0 && !is_v;
@@ -81,22 +123,24 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_ker
   }
   const int64_t slot = active && (is_k || is_v) ? slot_of(p, token) : -1;
   const int64_t cache = active && !is_v ? qk_norm_rope::cache_row(r, token) : -1;
-  float wa[kUnits][kVecElems] = {}, wb[kUnits][kVecElems] = {}, cos[kUnits][kVecElems] = {}, sin[kUnits][kVecElems] = {};
+  constexpr int kWeightVecs = kVecElems / Vec<WeightT>::kElems;  // the weights as loaded: widened at their use
+  Vec<WeightT> wa[kUnits][kWeightVecs], wb[kUnits][kWeightVecs];
+  float cos[kUnits][kVecElems] = {}, sin[kUnits][kVecElems] = {};
   if (active && !is_v) {
 #pragma unroll
     for (int s = 0; s < kUnits; ++s) {
-      load_table<WeightT, kVecElems>(w, u.col_a[s], wa[s]);
-      load_table<WeightT, kVecElems>(w, u.col_b[s], wb[s]);
+      load_table_vecs<WeightT>(w, u.col_a[s], wa[s]);
+      load_table_vecs<WeightT>(w, u.col_b[s], wb[s]);
       if (u.rotates[s]) unit_cos_sin<T, kHf, CosSinT, kVecElems>(r, cache, u.unit[s], cos[s], sin[s]);
     }
   }
 
   if (is_v && slot >= 0) {  // 2v. the v row into its slot, before the sum (which it only joins)
-    C* dst = cache_row<C>(p.v_cache, slot, p.block_size, kv_head - r.num_kv_heads);
+    C* dst = slot_row<C>(p.v_cache, slot, p, div, kv_head - r.num_kv_heads);
     const float scale = cache_scale<kCache>(p.v_cache);
 #pragma unroll
     for (int s = 0; s < kUnits; ++s) {  // a v unit is two neighbouring vectors: one store
-      store_cache<T, kCache, false, 2>(dst + u.col_a[s], {a[s], b[s]}, scale);
+      store_cache<T, kCache, 2>(dst + u.col_a[s], {a[s], b[s]}, scale);
     }
   }
   float xa[kUnits][kVecElems], xb[kUnits][kVecElems];  // 3. the sum of squares (v rows add nothing)
@@ -111,22 +155,23 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_ker
   const float rstd = rstd_from(warp_sum<Lanes::kLanes>(sum_sq), static_cast<float>(kHeadDim), r.eps);
   if (!active || is_v) return;
 
-  C* k_dst = slot >= 0 ? cache_row<C>(p.k_cache, slot, p.block_size, kv_head) : nullptr;  // 4. per unit
+  C* k_dst = slot >= 0 ? slot_row<C>(p.k_cache, slot, p, div, kv_head) : nullptr;  // 4. per unit
   const float k_scale = k_dst != nullptr ? cache_scale<kCache>(p.k_cache) : 1.f;
 #pragma unroll
   for (int s = 0; s < kUnits; ++s) {
-    float ya[kVecElems], yb[kVecElems];
-    norm_rope_unit<T, kHf, kNeox>(xa[s], xb[s], wa[s], wb[s], cos[s], sin[s], u.rotates[s], rstd, r.weight_offset, ya,
-                                  yb);
+    float w_a[kVecElems], w_b[kVecElems], ya[kVecElems], yb[kVecElems];
+    widen(wa[s], w_a);
+    widen(wb[s], w_b);
+    norm_rope_unit<T, kHf, kNeox>(xa[s], xb[s], w_a, w_b, cos[s], sin[s], u.rotates[s], rstd, r.weight_offset, ya, yb);
     const Vec<T> ra = pack<T>(ya), rb = pack<T>(yb);
     store_vec<T>(x + u.col_a[s], ra);
     store_vec<T>(x + u.col_b[s], rb);
     if (k_dst == nullptr) continue;
     if (kNeox && u.rotates[s]) {  // a NeoX unit's vectors lie rope_dim / 2 apart
-      store_cache<T, kCache, false, 1>(k_dst + u.col_a[s], {ra}, k_scale);
-      store_cache<T, kCache, false, 1>(k_dst + u.col_b[s], {rb}, k_scale);
+      store_cache<T, kCache, 1>(k_dst + u.col_a[s], {ra}, k_scale);
+      store_cache<T, kCache, 1>(k_dst + u.col_b[s], {rb}, k_scale);
     } else {  // neighbours: one store
-      store_cache<T, kCache, false, 2>(k_dst + u.col_a[s], {ra, rb}, k_scale);
+      store_cache<T, kCache, 2>(k_dst + u.col_a[s], {ra, rb}, k_scale);
     }
   }
 }
@@ -156,7 +201,8 @@ inline Call call_of(const Params& p, DType dtype, Rounding rounding) {
           p.cache_dtype,
           rows_are_vectors,
           tables_are_vectors,
-          cache_is_vectors<T>(p.k_cache) && cache_is_vectors<T>(p.v_cache)};
+          cache_is_vectors<T>(p.k_cache) && cache_is_vectors<T>(p.v_cache),
+          p.num_slots};
 }
 
 // Calls visit.template operator()<kKernel>() with the one-pass kernel `kernel` names (its head_dim
@@ -209,9 +255,10 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
   if (total_rows(p) == 0) return cudaSuccess;
   const Plan chosen = plan_of<kDType, kRounding>(p);
   if (chosen.kernel.name == KernelName::kSplit) return copy::launch_split<kDType, kRounding>(p, stream);
+  const Divisors div{FastDivisor(static_cast<uint32_t>(heads_per_token(p))), FastDivisor(static_cast<uint32_t>(p.block_size))};
   with_kernel<T, kRounding>(chosen.kernel, [&]<auto kKernel>() {
     launch_kernel(chosen.programmatic, kKernel, dim3(static_cast<unsigned>(chosen.grid)), dim3(chosen.block),
-                  static_cast<size_t>(chosen.shared_bytes), stream, p, chosen.rows);
+                  static_cast<size_t>(chosen.shared_bytes), stream, p, chosen.rows, div);
   });
   return cudaGetLastError();
 }

@@ -62,8 +62,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_v2_kernel
     const float scale = cache_scale<kCache>(p.v_cache);
 #pragma unroll
     for (int s = 0; s < kUnits; ++s) {
-      store_cache<T, kCache, false, 1>(dst + u.col_a[s], {a[s]}, scale);
-      store_cache<T, kCache, false, 1>(dst + u.col_b[s], {b[s]}, scale);
+      store_cache<T, kCache, 1>(dst + u.col_a[s], {a[s]}, scale);
+      store_cache<T, kCache, 1>(dst + u.col_b[s], {b[s]}, scale);
     }
   }
   float xa[kUnits][kVecElems], xb[kUnits][kVecElems];  // 3. the sum of squares (v rows add nothing)
@@ -93,8 +93,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_v2_kernel
     store_vec<T>(x + u.col_a[s], ra);
     store_vec<T>(x + u.col_b[s], rb);
     if (k_dst != nullptr) {  // the same registers into the k cache
-      store_cache<T, kCache, false, 1>(k_dst + u.col_a[s], {ra}, k_scale);
-      store_cache<T, kCache, false, 1>(k_dst + u.col_b[s], {rb}, k_scale);
+      store_cache<T, kCache, 1>(k_dst + u.col_a[s], {ra}, k_scale);
+      store_cache<T, kCache, 1>(k_dst + u.col_b[s], {rb}, k_scale);
     }
   }
 }
