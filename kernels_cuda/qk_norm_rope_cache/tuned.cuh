@@ -1,4 +1,4 @@
-// tuned: v3's kernel in 64 registers (four blocks per SM), no division on the device, neighbouring units stored whole; calls off the vector path split, chosen by one named policy
+// tuned: v3's kernel, weights held packed, no division: four blocks per SM; neighbouring units stored whole; off the vector path the split, by one named policy
 //
 // What `backend="cuda"` and `"auto"` run. Rung 3's kernel (programmatic launch, the tables, slot
 // and position warmed into L2 during the wait and read with the row, the default cache policy:
