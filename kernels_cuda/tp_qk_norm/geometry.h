@@ -57,6 +57,8 @@ constexpr int lagged_vecs_per_thread(int vecs) {
 // kLeanMinThreads (room for the waiting, header and epoch threads).
 constexpr int kLeanMaxThreads = 1024;
 constexpr int kLeanMinThreads = 64;
+// v8's kernel: room for the waiting threads of two tokens as well.
+constexpr int kPairedMinThreads = 96;
 
 // The block of a kernel that holds `vecs` vectors at `per_thread` each, at least `min_threads`.
 constexpr int block_for(int vecs, int per_thread, int min_threads) {

@@ -88,7 +88,7 @@ Plan plan(const Call& call, int sms, BlocksPerSm&& blocks_per_sm, const Policy& 
   if (call.vector_aligned && call.num_tokens > 0 && plan.tokens_per_sm <= policy.lean_tokens_per_sm &&
       plan.vecs <= kLeanMaxThreads) {
     plan.kernel = {KernelName::kLean, call.dtype, call.rounding};
-    plan.kernel.block = block_for(plan.vecs, 1, kLeanMinThreads);
+    plan.kernel.block = block_for(plan.vecs, 1, kPairedMinThreads);
     plan.resident = resident(plan.kernel);
     plan.grid = call.num_tokens < plan.resident ? call.num_tokens : plan.resident;
     plan.block = plan.kernel.block;
@@ -125,7 +125,7 @@ Plan plan(const Call& call, int sms, BlocksPerSm&& blocks_per_sm, const Policy& 
 // ---- how `cookbook explain` tells a plan ----------------------------------------------------------
 inline std::string kernel_function(const Kernel& kernel) {
   switch (kernel.name) {
-    case KernelName::kLean: return "cookbook::tp_qk_norm::v7::lean_rows_kernel";
+    case KernelName::kLean: return "cookbook::tp_qk_norm::v8::paired_rows_kernel";
     case KernelName::kLaggedWalk: return "cookbook::tp_qk_norm::v5::lagged_rows_kernel";
     case KernelName::kDecodeTiles: return "cookbook::tp_qk_norm::fused_v3_kernel";
     default: return "cookbook::tp_qk_norm::fused_kernel";
