@@ -835,7 +835,7 @@ class TpQkNorm:
             a.q, a.k, a.q_weight, a.k_weight, counters, no_peer_buffers, status.data_ptr(), 0, TpQkNorm._capacity(),
             a.eps, a.weight_offset, a.rounding == "hf"))
 
-    PATHS = {"lean": "rung 7's lean kernel", "lagged_walk": "rung 5's lagged walk", "tiles": "rung 4's tile kernel",
+    PATHS = {"lean": "rung 8's lean kernel (two tokens per exchange)", "lagged_walk": "rung 5's lagged walk", "tiles": "rung 4's tile kernel",
              "decode_tiles": "rung 4's decode tile kernel (warps share each row)"}
 
     @staticmethod

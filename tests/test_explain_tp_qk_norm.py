@@ -18,7 +18,7 @@ from cookbook.ops import tp_qk_norm as contract
 needs_nvcc = pytest.mark.skipif(nvcc_report.nvcc() is None, reason="nvcc not on PATH")
 pytestmark = [needs_nvcc, pytest.mark.nvcc("compile_extension", "tp_qk_norm_tuned")]
 OP = "tp_qk_norm"
-LEAN = "cookbook::tp_qk_norm::v7::lean_rows_kernel"
+LEAN = "cookbook::tp_qk_norm::v8::paired_rows_kernel"
 WALK = "cookbook::tp_qk_norm::v5::lagged_rows_kernel"
 TILES = ("cookbook::tp_qk_norm::fused_kernel", "cookbook::tp_qk_norm::fused_v3_kernel")
 SMS = 132
@@ -33,7 +33,7 @@ def ask(tokens, q_hidden=6144, k_hidden=1024, world=2, **kwargs):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("shape", contract.BENCH_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_bench_shapes_follow_the_policy(shape, world):
-    """At every bench shape, TP=2 and TP=4: rung 7's kernel up to lean_tokens_per_sm tokens per SM
+    """At every bench shape, TP=2 and TP=4: rung 8's kernel up to lean_tokens_per_sm tokens per SM
     (a token per CTA up to the resident CTAs), above it rung 5's walk on exactly its resident grid
     where the call has a token per resident CTA, else rung 4's tiles; the registers of the kernel
     it names."""
@@ -44,7 +44,7 @@ def test_bench_shapes_follow_the_policy(shape, world):
     resident = int(p["resident"])
     if -(-tokens // SMS) <= int(p["lean_tokens_per_sm"]):
         assert p["kernel"] == LEAN and int(p["grid"]) == min(tokens, resident), p
-        assert int(p["block"]) == max(64, -(-vecs // 32) * 32)
+        assert int(p["block"]) == max(96, -(-vecs // 32) * 32)
     elif tokens >= resident:
         assert p["kernel"] == WALK and int(p["grid"]) == resident, p
     else:

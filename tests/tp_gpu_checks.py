@@ -280,7 +280,7 @@ def check_token_rows_dispatch(rank, world):
 
 
 def lean_fits(q_shard, k_shard, element_size):
-    """Whether v7's lean kernel takes a 16-byte aligned fused-qkv shard (one thread per vector, at most 1024)."""
+    """Whether v8's lean kernel takes a 16-byte aligned fused-qkv shard (one thread per vector, at most 1024)."""
     vec = 16 // element_size
     aligned = all(width % vec == 0 for width in (q_shard, k_shard, q_shard + 2 * k_shard))
     return aligned and (q_shard + k_shard) // vec <= 1024
@@ -288,7 +288,7 @@ def lean_fits(q_shard, k_shard, element_size):
 
 def check_tuned_dispatch(rank, world):
     """cuda_tuned runs the kernel its policy names (policy.h: kPolicy) for this world size, in tokens
-    per SM: v7's lean kernel up to lean_tokens_per_sm, then v5's walk (world <= lagged_max_world,
+    per SM: v8's lean kernel up to lean_tokens_per_sm, then v5's walk (world <= lagged_max_world,
     at least a token per resident CTA) or v4's tiles; against the reference."""
     impl = registry.get(tp.OP, "cuda_tuned")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -302,7 +302,7 @@ def check_tuned_dispatch(rank, world):
         names = [n for n in kernels_run(lambda: run(impl.fn, sh)) if "tp_qk_norm" in n]
         per_sm = -(-t // sms)
         if per_sm <= lean_tokens_per_sm and lean_fits(*shard, 2):
-            expect = "lean_rows_kernel"
+            expect = "paired_rows_kernel"
         elif world <= lagged_max_world:  # the walk where the chunk has a token per resident CTA: 4000 is above them
             expect = "lagged_rows_kernel" if t >= 4000 else None
         else:

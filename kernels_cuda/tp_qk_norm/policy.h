@@ -4,8 +4,8 @@
 //
 // The paths, in the order `plan` tries them (kPolicy's fields name the thresholds):
 //   1. 16-byte aligned rows, a chunk with tokens, a row pair of at most kLeanMaxThreads vectors,
-//      and at most lean_tokens_per_sm tokens per SM: rung 7's lean kernel (a CTA per token, one
-//      thread per vector, persistent above the resident CTAs);
+//      and at most lean_tokens_per_sm tokens per SM: rung 8's lean kernel (a CTA per token, one
+//      thread per vector; above the resident CTAs two tokens per CTA share one exchange);
 //   2. above that band, at world sizes up to lagged_max_world, where the chunk has a token per
 //      resident CTA of the walk and the row pair fits its block: rung 5's lagged walk;
 //   3. else rung 4's tiles: the decode kernel where a tile has fewer rows than warps, else the
@@ -23,7 +23,7 @@
 namespace cookbook::tp_qk_norm::tuned {
 
 struct Policy {
-  int lean_tokens_per_sm;  // up to this many tokens per SM (ceil(tokens / SMs)): rung 7's lean kernel
+  int lean_tokens_per_sm;  // up to this many tokens per SM (ceil(tokens / SMs)): rung 8's lean kernel
   int lagged_max_world;    // above that band, rung 5's walk at world sizes up to this; rung 4's tiles above
 };
 

@@ -65,16 +65,16 @@ __global__ void __launch_bounds__(kLeanMaxThreads, kPairedMinCtasPerSm) paired_r
   asm volatile("" ::"l"(x0), "l"(stride), "l"(tokens));  // computed here, not after the wait
 
   after_prior_grids();
+  // Thread 0's reads of the counters, the first pair's vectors and this thread's weights: all
+  // requested before any is used (thread 0 stores the counters into `call` only after its own
+  // vectors are requested, or they would wait a round trip behind the counters).
+  uint32_t epoch = 0, gave_up = 0, wait_limit = 0, failed = 0;
   if (threadIdx.x == 0) {
-    const uint32_t epoch = read_epoch(p);
-    const uint32_t gave_up = counter(p, kGaveUpCounter);
-    const uint32_t wait_limit = counter(p, kWaitLimitCounter);
-    call.abandoned = chunk_abandoned(p, epoch);
-    call.epoch = epoch;
-    call.state.ok = 1;
-    call.state.deadline = global_ticks() + (gave_up != 0 ? 0u : wait_limit);
+    epoch = read_epoch(p);
+    gave_up = counter(p, kGaveUpCounter);
+    wait_limit = counter(p, kWaitLimitCounter);
+    if (p.chunk_index > 0) failed = counter(p, kFailedCounter);
   }
-  // The first pair's vectors and this thread's weights, requested beside thread 0's reads.
   RawWeights<T> w_raw;
   Vec<T> x[kTokensPerExchange];
 #pragma unroll
@@ -83,9 +83,15 @@ __global__ void __launch_bounds__(kLeanMaxThreads, kPairedMinCtasPerSm) paired_r
     if (has_vec && token < tokens) x[j] = load_x<T, false>(x0 + token * stride);
   }
   if (has_vec) w_raw = load_raw_weights<T>(row0, column);
+  if (threadIdx.x == 0) {
+    call.abandoned = p.chunk_index > 0 && failed == epoch;  // chunk_abandoned, from the value read above
+    call.epoch = epoch;
+    call.state.ok = 1;
+    call.state.deadline = global_ticks() + (gave_up != 0 ? 0u : wait_limit);
+  }
   __syncthreads();
   if (call.abandoned) return;
-  const uint32_t epoch = call.epoch;
+  epoch = call.epoch;
   const bool near_wrap = epoch >= kLastEpoch - 1;
   const int parity = static_cast<int>(epoch % kParities);
   const int waiting_threads = kSumsPerExchange * p.world;  // thread ((j, tensor), rank r) pushes to r, waits for r
