@@ -835,7 +835,7 @@ class TpQkNorm:
             a.q, a.k, a.q_weight, a.k_weight, counters, no_peer_buffers, status.data_ptr(), 0, TpQkNorm._capacity(),
             a.eps, a.weight_offset, a.rounding == "hf"))
 
-    PATHS = {"lean": "rung 8's lean kernel (two tokens per exchange)", "lagged_walk": "rung 5's lagged walk", "tiles": "rung 4's tile kernel",
+    PATHS = {"lean": "rung 7's lean kernel", "paired": "rung 8's paired kernel (two tokens per exchange)", "lagged_walk": "rung 5's lagged walk", "tiles": "rung 4's tile kernel",
              "decode_tiles": "rung 4's decode tile kernel (warps share each row)"}
 
     @staticmethod
@@ -855,8 +855,10 @@ class TpQkNorm:
         elif not TpQkNorm._aligned(a):
             why = "a row or weight is off a 16-byte boundary or not whole vectors: one element per pack"
         elif path == "lean":
-            why = (f"within the lean band: a CTA of {p['block']} threads per token, {resident:,} resident CTAs"
-                   + (", persistent above them" if chunk > resident else ""))
+            why = f"within the lean band, at most a token per resident CTA: a CTA of {p['block']} threads per token"
+        elif path == "paired":
+            why = (f"within the lean band, more tokens than rung 7's resident CTAs: {resident:,} CTAs of {p['block']} "
+                   "threads, two tokens per exchange")
         elif path == "lagged_walk":
             why = (f"above the lean band, world {a.world} <= {p['lagged_max_world']}, and {tokens} >= the walk's "
                    f"{resident:,} resident CTAs: one persistent grid of them")

@@ -265,7 +265,7 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _rung("tp_qk_norm", 8, "v8_two_tokens_per_exchange.cuh",
               "addresses computed before the wait, counters read by one thread, two tokens per exchange - removes v7's parameter round trip and second exchange"),
         _tuned("tp_qk_norm",
-               "v8's kernel at decode and mid sizes, v5's walk at prefill, v4's tiles elsewhere, chosen per chunk by one policy; v1's kernels without peer memory"),
+               "v7's kernel at decode, v8's at mid sizes, v5's walk at prefill, v4's tiles elsewhere, chosen per chunk by one policy; v1's kernels without peer memory"),
         Impl("tp_qk_norm", "all_gather", "peer", 0, "cookbook.peers:tp_qk_norm_all_gather",
              "the naive baseline: all-gather the shards, normalize the gathered rows, keep this rank's columns"),
     ],

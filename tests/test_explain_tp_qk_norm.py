@@ -18,7 +18,8 @@ from cookbook.ops import tp_qk_norm as contract
 needs_nvcc = pytest.mark.skipif(nvcc_report.nvcc() is None, reason="nvcc not on PATH")
 pytestmark = [needs_nvcc, pytest.mark.nvcc("compile_extension", "tp_qk_norm_tuned")]
 OP = "tp_qk_norm"
-LEAN = "cookbook::tp_qk_norm::v8::paired_rows_kernel"
+LEAN = "cookbook::tp_qk_norm::v7::lean_rows_kernel"
+PAIRED = "cookbook::tp_qk_norm::v8::paired_rows_kernel"
 WALK = "cookbook::tp_qk_norm::v5::lagged_rows_kernel"
 TILES = ("cookbook::tp_qk_norm::fused_kernel", "cookbook::tp_qk_norm::fused_v3_kernel")
 SMS = 132
@@ -33,8 +34,8 @@ def ask(tokens, q_hidden=6144, k_hidden=1024, world=2, **kwargs):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("shape", contract.BENCH_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_bench_shapes_follow_the_policy(shape, world):
-    """At every bench shape, TP=2 and TP=4: rung 8's kernel up to lean_tokens_per_sm tokens per SM
-    (a token per CTA up to the resident CTAs), above it rung 5's walk on exactly its resident grid
+    """At every bench shape, TP=2 and TP=4: up to lean_tokens_per_sm tokens per SM rung 7's kernel
+    (a token per CTA) up to its resident CTAs, rung 8's (two tokens per exchange) above them, above it rung 5's walk on exactly its resident grid
     where the call has a token per resident CTA, else rung 4's tiles; the registers of the kernel
     it names."""
     tokens, q_hidden, k_hidden = shape
@@ -43,8 +44,13 @@ def test_bench_shapes_follow_the_policy(shape, world):
     assert int(p["vecs"]) == vecs and int(p["tokens_per_sm"]) == -(-tokens // SMS)
     resident = int(p["resident"])
     if -(-tokens // SMS) <= int(p["lean_tokens_per_sm"]):
-        assert p["kernel"] == LEAN and int(p["grid"]) == min(tokens, resident), p
-        assert int(p["block"]) == max(96, -(-vecs // 32) * 32)
+        if p["kernel"] == LEAN:
+            assert int(p["grid"]) == tokens <= resident and int(p["block"]) == max(64, -(-vecs // 32) * 32), p
+        else:
+            assert p["kernel"] == PAIRED and int(p["grid"]) == min(tokens, resident), p
+            assert int(p["block"]) == max(96, -(-vecs // 32) * 32)
+            lean_resident = ask(1, q_hidden, k_hidden, world).plan["resident"]
+            assert tokens > int(lean_resident), (p, lean_resident)
     elif tokens >= resident:
         assert p["kernel"] == WALK and int(p["grid"]) == resident, p
     else:
@@ -63,8 +69,9 @@ def test_world_moves_the_shards_and_the_walk():
 
 
 def test_fewer_sms_move_the_lean_band():
-    """Tokens per SM are the GPU's: 512 tokens are 4 per SM on 132 SMs (lean), 8 on 66 (the walk)."""
-    assert ask(512).plan["kernel"] == LEAN
+    """Tokens per SM are the GPU's: 512 tokens are 4 per SM on 132 SMs (the lean band: above rung
+    7's 264 resident CTAs of the TP=2 shard, so rung 8's kernel), 8 on 66 (the walk)."""
+    assert ask(512).plan["kernel"] == PAIRED and ask(264).plan["kernel"] == LEAN
     assert ask(512, gpu=None, sms=66).plan["kernel"] == WALK
 
 

@@ -26,10 +26,19 @@ def both_answers(inputs, **kwargs):
     return on_gpu, on_host
 
 
+def assert_same_plan(on_gpu, on_host):
+    """The same plan, key by key. Registers: the GPU's are its build's ptxas, the host's the local
+    nvcc's (a patch release apart they can differ by a register or two); what the policy reads of
+    them, the resident CTAs, is in the plan and compared."""
+    gpu_plan, host_plan = ({k: v for k, v in e.plan.items() if k != "registers"} for e in (on_gpu, on_host))
+    assert gpu_plan == host_plan, (on_gpu.plan, on_host.plan)
+    assert int(on_gpu.plan["registers"]) > 0 and int(on_host.plan["registers"]) > 0
+
+
 def assert_same(inputs, **kwargs):
     on_gpu, on_host = both_answers(inputs, **kwargs)
     assert on_gpu.source.startswith("the GPU") and on_host.source.startswith("the policy compiled for the host")
-    assert on_gpu.plan == on_host.plan, (on_gpu.plan, on_host.plan)
+    assert_same_plan(on_gpu, on_host)
     return on_gpu
 
 
@@ -88,7 +97,7 @@ def assert_tp_same(shards, world, **kwargs):
     on_gpu = explainer.explain("tp_qk_norm", *shards, world=world, **kwargs)
     on_host = explainer.explain("tp_qk_norm", *shards, world=world, gpu=explainer.Gpu.of_device(), **kwargs)
     assert on_gpu.source.startswith("the GPU") and on_host.source.startswith("the policy compiled for the host")
-    assert on_gpu.plan == on_host.plan, (on_gpu.plan, on_host.plan)
+    assert_same_plan(on_gpu, on_host)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -49,7 +49,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cookbook  # noqa: E402
-from cookbook import api, bench, registry  # noqa: E402
+from cookbook import api, bench, explainer, registry  # noqa: E402
 from cookbook.ops import cross_head_norm  # noqa: E402
 from cookbook.ops import tp_qk_norm as tp  # noqa: E402
 from cookbook.testing import agreement  # noqa: E402
@@ -280,7 +280,7 @@ def check_token_rows_dispatch(rank, world):
 
 
 def lean_fits(q_shard, k_shard, element_size):
-    """Whether v8's lean kernel takes a 16-byte aligned fused-qkv shard (one thread per vector, at most 1024)."""
+    """Whether the lean band's kernels take a 16-byte aligned fused-qkv shard (one thread per vector, at most 1024)."""
     vec = 16 // element_size
     aligned = all(width % vec == 0 for width in (q_shard, k_shard, q_shard + 2 * k_shard))
     return aligned and (q_shard + k_shard) // vec <= 1024
@@ -288,7 +288,7 @@ def lean_fits(q_shard, k_shard, element_size):
 
 def check_tuned_dispatch(rank, world):
     """cuda_tuned runs the kernel its policy names (policy.h: kPolicy) for this world size, in tokens
-    per SM: v8's lean kernel up to lean_tokens_per_sm, then v5's walk (world <= lagged_max_world,
+    per SM: up to lean_tokens_per_sm v7's lean kernel (a token per resident CTA) or v8's paired kernel, then v5's walk (world <= lagged_max_world,
     at least a token per resident CTA) or v4's tiles; against the reference."""
     impl = registry.get(tp.OP, "cuda_tuned")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -302,7 +302,11 @@ def check_tuned_dispatch(rank, world):
         names = [n for n in kernels_run(lambda: run(impl.fn, sh)) if "tp_qk_norm" in n]
         per_sm = -(-t // sms)
         if per_sm <= lean_tokens_per_sm and lean_fits(*shard, 2):
-            expect = "paired_rows_kernel"
+            planned = explainer.explain(tp.OP, sh["q_shard"], sh["k_shard"], sh["q_weight_shard"],
+                                        sh["k_weight_shard"], world=world).plan  # rung 7's or 8's: the resident CTAs decide
+            expect = planned["kernel"].rsplit("::", 1)[1]
+            if expect not in ("lean_rows_kernel", "paired_rows_kernel"):
+                failures.append(f"cuda_tuned at tp={world}, T={t}: the lean band planned {planned['kernel']}")
         elif world <= lagged_max_world:  # the walk where the chunk has a token per resident CTA: 4000 is above them
             expect = "lagged_rows_kernel" if t >= 4000 else None
         else:

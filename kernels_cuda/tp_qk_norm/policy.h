@@ -4,8 +4,9 @@
 //
 // The paths, in the order `plan` tries them (kPolicy's fields name the thresholds):
 //   1. 16-byte aligned rows, a chunk with tokens, a row pair of at most kLeanMaxThreads vectors,
-//      and at most lean_tokens_per_sm tokens per SM: rung 8's lean kernel (a CTA per token, one
-//      thread per vector; above the resident CTAs two tokens per CTA share one exchange);
+//      and at most lean_tokens_per_sm tokens per SM: a CTA per token, one thread per vector:
+//      rung 7's lean kernel up to a token per resident CTA, rung 8's paired kernel above it (two
+//      tokens per CTA share one exchange);
 //   2. above that band, at world sizes up to lagged_max_world, where the chunk has a token per
 //      resident CTA of the walk and the row pair fits its block: rung 5's lagged walk;
 //   3. else rung 4's tiles: the decode kernel where a tile has fewer rows than warps, else the
@@ -23,7 +24,7 @@
 namespace cookbook::tp_qk_norm::tuned {
 
 struct Policy {
-  int lean_tokens_per_sm;  // up to this many tokens per SM (ceil(tokens / SMs)): rung 8's lean kernel
+  int lean_tokens_per_sm;  // up to this many tokens per SM (ceil(tokens / SMs)): rung 7's or rung 8's kernel
   int lagged_max_world;    // above that band, rung 5's walk at world sizes up to this; rung 4's tiles above
 };
 
@@ -44,7 +45,7 @@ struct Call {
   bool vector_aligned;  // rows and weights on 16-byte boundaries, whole vectors
 };
 
-enum class KernelName : int { kLean, kLaggedWalk, kTiles, kDecodeTiles };
+enum class KernelName : int { kLean, kPaired, kLaggedWalk, kTiles, kDecodeTiles };
 
 struct Kernel {
   KernelName name = KernelName::kTiles;
@@ -84,12 +85,17 @@ Plan plan(const Call& call, int sms, BlocksPerSm&& blocks_per_sm, const Policy& 
     const int blocks = blocks_per_sm(kernel);
     return int64_t{sms} * (blocks > 0 ? blocks : 1);
   };
-  // 1. The lean kernel.
+  // 1. The lean band: rung 7's kernel while every CTA has one token, rung 8's where some have two.
   if (call.vector_aligned && call.num_tokens > 0 && plan.tokens_per_sm <= policy.lean_tokens_per_sm &&
       plan.vecs <= kLeanMaxThreads) {
     plan.kernel = {KernelName::kLean, call.dtype, call.rounding};
-    plan.kernel.block = block_for(plan.vecs, 1, kPairedMinThreads);
+    plan.kernel.block = block_for(plan.vecs, 1, kLeanMinThreads);
     plan.resident = resident(plan.kernel);
+    if (call.num_tokens > plan.resident) {
+      plan.kernel = {KernelName::kPaired, call.dtype, call.rounding};
+      plan.kernel.block = block_for(plan.vecs, 1, kPairedMinThreads);
+      plan.resident = resident(plan.kernel);
+    }
     plan.grid = call.num_tokens < plan.resident ? call.num_tokens : plan.resident;
     plan.block = plan.kernel.block;
     return plan;
@@ -125,7 +131,8 @@ Plan plan(const Call& call, int sms, BlocksPerSm&& blocks_per_sm, const Policy& 
 // ---- how `cookbook explain` tells a plan ----------------------------------------------------------
 inline std::string kernel_function(const Kernel& kernel) {
   switch (kernel.name) {
-    case KernelName::kLean: return "cookbook::tp_qk_norm::v8::paired_rows_kernel";
+    case KernelName::kLean: return "cookbook::tp_qk_norm::v7::lean_rows_kernel";
+    case KernelName::kPaired: return "cookbook::tp_qk_norm::v8::paired_rows_kernel";
     case KernelName::kLaggedWalk: return "cookbook::tp_qk_norm::v5::lagged_rows_kernel";
     case KernelName::kDecodeTiles: return "cookbook::tp_qk_norm::fused_v3_kernel";
     default: return "cookbook::tp_qk_norm::fused_kernel";
@@ -138,7 +145,8 @@ inline std::string template_values(const Kernel& kernel) {
   const std::string hf = kernel.rounding == Rounding::kHf ? "true" : "false";
   const std::string staged = kernel.staged ? "true" : "false";
   switch (kernel.name) {
-    case KernelName::kLean: return t + "," + hf;
+    case KernelName::kLean:
+    case KernelName::kPaired: return t + "," + hf;
     case KernelName::kLaggedWalk: return t + "," + std::to_string(kernel.vecs_per_thread) + "," + hf;
     case KernelName::kDecodeTiles:  // early epoch, programmatic, batched loads: rung 4's
       return t + "," + std::to_string(kernel.pack_elems) + "," + staged + "," + hf + ",true,true,true";
@@ -152,7 +160,8 @@ inline std::string template_arguments(const Kernel& kernel) {
   const std::string hf = std::string("kHfRounding=") + (kernel.rounding == Rounding::kHf ? "true" : "false");
   const std::string tile = ", kElems=" + std::to_string(kernel.pack_elems) + ", kStaged=" + (kernel.staged ? "true" : "false");
   switch (kernel.name) {
-    case KernelName::kLean: return t + ", " + hf;
+    case KernelName::kLean:
+    case KernelName::kPaired: return t + ", " + hf;
     case KernelName::kLaggedWalk: return t + ", kVecsPerThread=" + std::to_string(kernel.vecs_per_thread) + ", " + hf;
     case KernelName::kDecodeTiles:
       return t + tile + ", " + hf + ", kEarlyEpoch=true, kProgrammatic=true, kBatched=true";
@@ -163,6 +172,7 @@ inline std::string template_arguments(const Kernel& kernel) {
 inline const char* kernel_path(KernelName name) {
   switch (name) {
     case KernelName::kLean: return "lean";
+    case KernelName::kPaired: return "paired";
     case KernelName::kLaggedWalk: return "lagged_walk";
     case KernelName::kDecodeTiles: return "decode_tiles";
     default: return "tiles";

@@ -1,4 +1,4 @@
-// tuned: v8's kernel at decode and mid sizes, v5's walk at prefill, v4's tiles elsewhere, chosen per chunk by one policy; v1's kernels without peer memory
+// tuned: v7's kernel at decode, v8's at mid sizes, v5's walk at prefill, v4's tiles elsewhere, chosen per chunk by one policy; v1's kernels without peer memory
 //
 // The launcher decides nothing outside `plan` (policy.h): it asks the plan for each chunk of the
 // call and launches the kernel it names. The same extension holds the NCCL path (rung 1's two
@@ -12,7 +12,8 @@
 #include "tp_qk_norm/tiles.cuh"
 #include "tp_qk_norm/v1_three_launches.cuh"      // the NCCL path
 #include "tp_qk_norm/v5_lagged_walk.cuh"         // prefill
-#include "tp_qk_norm/v8_two_tokens_per_exchange.cuh"  // decode and mid sizes
+#include "tp_qk_norm/v7_thread_per_vector.cuh"        // decode: a token per CTA
+#include "tp_qk_norm/v8_two_tokens_per_exchange.cuh"  // mid sizes: two tokens per exchange
 
 namespace cookbook::tp_qk_norm::tuned {
 
@@ -46,7 +47,8 @@ inline void (*tile_kernel(const Kernel& kernel))(FusedParams) {
 template <typename T, bool kHfRounding>
 inline void (*kernel_of(const Kernel& kernel))(FusedParams) {
   switch (kernel.name) {
-    case KernelName::kLean: return v8::paired_rows_kernel<T, kHfRounding>;
+    case KernelName::kLean: return v7::lean_rows_kernel<T, kHfRounding>;
+    case KernelName::kPaired: return v8::paired_rows_kernel<T, kHfRounding>;
     case KernelName::kLaggedWalk:
       switch (kernel.vecs_per_thread) {
         case 1: return v5::lagged_rows_kernel<T, 1, kHfRounding>;
@@ -64,7 +66,8 @@ template <typename T, bool kHfRounding>
 inline int blocks_per_sm(const Kernel& kernel) {
   const int sms = sm_count();
   switch (kernel.name) {
-    case KernelName::kLean: return persistent_grid_limit<v8::paired_rows_kernel<T, kHfRounding>>(kernel.block) / sms;
+    case KernelName::kLean: return persistent_grid_limit<v7::lean_rows_kernel<T, kHfRounding>>(kernel.block) / sms;
+    case KernelName::kPaired: return persistent_grid_limit<v8::paired_rows_kernel<T, kHfRounding>>(kernel.block) / sms;
     case KernelName::kLaggedWalk:
       switch (kernel.vecs_per_thread) {
         case 1: return persistent_grid_limit<v5::lagged_rows_kernel<T, 1, kHfRounding>>(kernel.block) / sms;
