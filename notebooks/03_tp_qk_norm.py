@@ -19,7 +19,7 @@
 # per token cross the GPUs, eps stays on the full row's mean, and one kernel exchanges the floats
 # through the peers' memory and never hangs. The order: the identity, the bytes, the algorithm on
 # one device, the eps pitfall, the op on a process group, the protocol simulated, then the
-# **ladder** of seven CUDA C rungs and the tuned kernel's policy. It all runs in one process on a
+# **ladder** of eight CUDA C rungs and the tuned kernel's policy. It all runs in one process on a
 # laptop (the benchmark runs a process per GPU); the code shown is read from the tested sources.
 
 # %%
@@ -336,7 +336,7 @@ for me, r in enumerate(ranks):
 # a rank that never comes (a bounded wait, then the group ends) and one that rejects its own
 # arguments (it still launches, with an absent header, so its peers raise at once).
 #
-# ## 7. The ladder: seven CUDA C rungs
+# ## 7. The ladder: eight CUDA C rungs
 #
 # The kernels live in `kernels_cuda/tp_qk_norm/`, one file per rung, its first line its lead
 # (the registry repeats it); each is its own small extension. They share `exchange.cuh` (the
@@ -377,19 +377,20 @@ walkthrough.excerpt("kernels_cuda/tp_qk_norm/v5_lagged_walk.cuh", "    // 2. Fin
 # %% [markdown]
 # **Rung 6** takes one token per CTA, its block sized to the row pair, the row and its weights
 # held in registers through the exchange and the next token requested before the wait. **Rung 7**
-# gives each 16-byte vector a thread and reads the call's counters (the wait limit, the gave-up
-# flag) beside the first loads, not after the epoch:
+# gives each 16-byte vector a thread and reads the call's counters beside the first loads.
+# **Rung 8** gives a CTA's two tokens one exchange (above rung 7's resident CTAs half of them took
+# two), and computes its addresses before the wait:
 
 # %%
-walkthrough.excerpt("kernels_cuda/tp_qk_norm/v7_thread_per_vector.cuh", "  after_prior_grids();",
-                    "  const uint32_t epoch = read_epoch(p);")
+walkthrough.excerpt("kernels_cuda/tp_qk_norm/v8_two_tokens_per_exchange.cuh", "    block_sum<kSumsPerExchange>(sums);",
+                    "    } else if (first && header_thread")
 
 # %% [markdown]
 # ## 8. The tuned kernel: which rung's kernel runs
 #
-# `tuned.cuh` launches what `plan` in `policy.h` (plain C++) says for each chunk: rung 7's kernel
-# up to a few tokens per SM, rung 5's walk above at world sizes where it was measured ahead,
-# rung 4's tiles elsewhere. From the source:
+# `tuned.cuh` launches what `plan` in `policy.h` (plain C++) says for each chunk: up to a few
+# tokens per SM rung 7's kernel, or rung 8's above rung 7's resident CTAs; rung 5's walk above at
+# world sizes where it was measured ahead; rung 4's tiles elsewhere. From the source:
 
 # %%
 walkthrough.excerpt("kernels_cuda/tp_qk_norm/policy.h", "struct Policy {", "// What the policy reads of a chunk.")

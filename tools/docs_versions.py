@@ -409,7 +409,9 @@ TP_RUNG_KERNELS = {
     "cuda_v5": ("v5::lagged_rows_kernel<__nv_bfloat16, 4, false>",),
     "cuda_v6": ("v6::token_rows_kernel<__nv_bfloat16, 2, false>",),
     "cuda_v7": ("v7::lean_rows_kernel<__nv_bfloat16, false>",),
-    "cuda_tuned": ("v7::lean_rows_kernel<__nv_bfloat16, false>", "v5::lagged_rows_kernel<__nv_bfloat16, 4, false>",
+    "cuda_v8": ("v8::paired_rows_kernel<__nv_bfloat16, false>",),
+    "cuda_tuned": ("v7::lean_rows_kernel<__nv_bfloat16, false>", "v8::paired_rows_kernel<__nv_bfloat16, false>",
+                   "v5::lagged_rows_kernel<__nv_bfloat16, 4, false>",
                    "fused_v3_kernel<__nv_bfloat16, 8, true, false, true, true, true>"),
 }
 
