@@ -857,8 +857,7 @@ class TpQkNorm:
         elif path == "lean":
             why = f"within the lean band, at most a token per resident CTA: a CTA of {p['block']} threads per token"
         elif path == "paired":
-            why = (f"within the lean band, more tokens than rung 7's resident CTAs: {resident:,} CTAs of {p['block']} "
-                   "threads, two tokens per exchange")
+            why = f"within the lean band, more tokens than rung 7's resident CTAs: {resident:,} CTAs of {p['block']} threads"
         elif path == "lagged_walk":
             why = (f"above the lean band, world {a.world} <= {p['lagged_max_world']}, and {tokens} >= the walk's "
                    f"{resident:,} resident CTAs: one persistent grid of them")
