@@ -5,7 +5,7 @@
 # Stages (each with its own time limit; summary.txt says what each did):
 #   peers        the peer wheels of .whl/ (WHEELS) installed without network into build/peers (SGLang's TP kernel)
 #   build_tuned  the tuned extension alone from an empty cache, timed (what the first backend="auto" call pays)
-#   build_all    every tp_qk_norm extension (rungs v1-v7, tuned) and cross_head_norm's tuned kernel, in parallel
+#   build_all    every tp_qk_norm extension (rungs v1-v8, tuned) and cross_head_norm's tuned kernel, in parallel
 #   checks       tests/tp_gpu_checks.py --quick at 2 ranks (tuned, every rung)
 #   explain      tests/test_gpu_explain.py -k tp on one GPU: the GPU's plan equals the host's at TP=2, 4 and 8
 #   bench        the TP=2 benchmark at MiniMax-M2's widths: every rung, tuned, the local shard and SGLang's

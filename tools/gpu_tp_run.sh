@@ -71,7 +71,7 @@ has sanitizer && stage sanitizer 100 compute-sanitizer --tool memcheck --report-
   --error-exitcode 3 $(ranks "$nproc") tests/tp_gpu_checks.py --small
 has checks2 && CUDA_VISIBLE_DEVICES=0,1 stage checks2 120 $(ranks 2) tests/tp_gpu_checks.py --quick
 has b2b && stage b2b 100 python3 -m cookbook.bench.tp --nproc "$nproc" --shapes minimax --tokens 1,128,2048,16384 \
-  --timing back_to_back --impls cuda_v4,cuda_v5,cuda_v6,cuda_v7,cuda_tuned,local_cross_head_norm \
+  --timing back_to_back --impls cuda_v4,cuda_v5,cuda_v6,cuda_v7,cuda_v8,cuda_tuned,local_cross_head_norm \
   --results-dir "$PAGES" --out "$OUT/bench_b2b"
 has sweep2 && CUDA_VISIBLE_DEVICES=0,1 stage sweep2 200 python3 -m cookbook.bench.tp --nproc 2 --shapes "$SHAPES" \
   ${rows[@]+"${rows[@]}"} --results-dir "$PAGES" --out "$OUT/bench_sweep2"
