@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
-# tp_qk_norm's ladder and tuned kernel (kernels_cuda/tp_qk_norm/) on a machine with 2 GPUs, within
-# about 8 minutes: from the repository root,
-#   OUT=/some/dir bash tools/gpu_tp_ladder.sh
+# tp_qk_norm's ladder and tuned kernel (kernels_cuda/tp_qk_norm/) on a machine with NPROC GPUs (2 or 4),
+# within about 8 minutes: from the repository root,
+#   OUT=/some/dir [NPROC=4] [B2B_TOKENS=1,128,2048,16384] bash tools/gpu_tp_ladder.sh
 # Stages (each with its own time limit; summary.txt says what each did):
 #   peers        the peer wheels of .whl/ (WHEELS) installed without network into build/peers (SGLang's TP kernel)
 #   build_tuned  the tuned extension alone from an empty cache, timed (what the first backend="auto" call pays)
 #   build_all    every tp_qk_norm extension (rungs v1-v8, tuned) and cross_head_norm's tuned kernel, in parallel
-#   checks       tests/tp_gpu_checks.py --quick at 2 ranks (tuned, every rung)
+#   checks       tests/tp_gpu_checks.py --quick at NPROC ranks (tuned, every rung), then at 2 ranks where NPROC > 2
 #   explain      tests/test_gpu_explain.py -k tp on one GPU: the GPU's plan equals the host's at TP=2, 4 and 8
-#   bench        the TP=2 benchmark at MiniMax-M2's widths: every rung, tuned, the local shard and SGLang's
+#   bench        the TP=NPROC benchmark at MiniMax-M2's widths: every rung, tuned, the local shard and SGLang's
 #                kernel, graph replays, pages into docs/results
-#   b2b          the same rows timed back to back (SGLang's method) at 1, 128, 2048 and 16384 tokens
+#   b2b          the same rows timed back to back (SGLang's method) at B2B_TOKENS
+#   sanitizer    compute-sanitizer memcheck of tests/tp_gpu_checks.py --small at 2 ranks (every rung, tuned)
+#   checks_2     where NPROC > 2: the checks again at 2 ranks
 # What comes back in $OUT (3 files): env.txt, summary.txt, results.tgz (logs/, pages/: the tp_qk_norm pages
 # of docs/results after the run, and the benchmark's JSON).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$OUT" "$LOGS"
-BUDGET_S=${BUDGET_S:-470}; WHEELS=${WHEELS:-.whl}
-export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+BUDGET_S=${BUDGET_S:-470}; WHEELS=${WHEELS:-.whl}; NPROC=${NPROC:-2}; B2B_TOKENS=${B2B_TOKENS:-1,128,2048,16384}
+export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PATH="$PATH:/usr/local/cuda/bin"
 export PYTHONPATH="$PWD:$PWD/build/peers${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 SGLANG_SKIP_P2P_CHECK=1  # never multicast
-export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((NPROC - 1)))}
 start=$SECONDS; status=0
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -65,13 +67,17 @@ results = cuda.build(exts)
 for name, r in results.items(): print(name, r)
 raise SystemExit(any(isinstance(r, Exception) for r in results.values()))"
 ranks() { echo python3 -m torch.distributed.run --standalone --nproc-per-node="$1"; }
-stage checks 130 $(ranks 2) tests/tp_gpu_checks.py --quick
+stage checks 130 $(ranks "$NPROC") tests/tp_gpu_checks.py --quick
 CUDA_VISIBLE_DEVICES=0 stage explain 60 python3 -m pytest -q -x tests/test_gpu_explain.py -k tp
 rows=$(python3 -c "from cookbook import registry; print(','.join([i.name for i in registry.implementations('tp_qk_norm', ('cuda', 'tuned'))] + ['local_cross_head_norm', 'sglang_fused_parallel_qknorm']))")
-stage bench 150 python3 -m cookbook.bench.tp --nproc 2 --shapes minimax --impls "$rows" --results-dir docs/results \
+stage bench 200 python3 -m cookbook.bench.tp --nproc "$NPROC" --shapes minimax --impls "$rows" --results-dir docs/results \
   --out "$OUT/bench_graph"
-stage b2b 90 python3 -m cookbook.bench.tp --nproc 2 --shapes minimax --tokens 1,128,2048,16384 --timing back_to_back \
+stage b2b 150 python3 -m cookbook.bench.tp --nproc "$NPROC" --shapes minimax --tokens "$B2B_TOKENS" --timing back_to_back \
   --impls "$rows" --results-dir docs/results --out "$OUT/bench_b2b"
+export CUDA_VISIBLE_DEVICES=0,1
+stage sanitizer 90 compute-sanitizer --tool memcheck --report-api-errors no --target-processes all --error-exitcode 3 \
+  $(ranks 2) tests/tp_gpu_checks.py --small
+((NPROC > 2)) && stage checks_2 100 $(ranks 2) tests/tp_gpu_checks.py --quick
 echo "done in $((SECONDS - start)) s, status $status" >> "$OUT/summary.txt"
 mkdir -p "$OUT/pages" && cp docs/results/tp_qk_norm_* "$OUT/pages/" 2>/dev/null
 (cd "$OUT" && tar czf results.tgz logs pages $(ls -d bench_* 2>/dev/null))
