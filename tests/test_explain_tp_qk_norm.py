@@ -69,10 +69,10 @@ def test_world_moves_the_shards_and_the_walk():
 
 
 def test_fewer_sms_move_the_lean_band():
-    """Tokens per SM are the GPU's: 512 tokens are 4 per SM on 132 SMs (the lean band: above rung
-    7's 264 resident CTAs of the TP=2 shard, so rung 8's kernel), 8 on 66 (the walk)."""
-    assert ask(512).plan["kernel"] == PAIRED and ask(264).plan["kernel"] == LEAN
-    assert ask(512, gpu=None, sms=66).plan["kernel"] == WALK
+    """Tokens per SM are the GPU's: 1024 tokens are 8 per SM on 132 SMs (the lean band: above rung
+    7's 264 resident CTAs of the TP=2 shard, so rung 8's kernel), 16 on 66 (the walk)."""
+    assert ask(1024).plan["kernel"] == PAIRED and ask(264).plan["kernel"] == LEAN
+    assert ask(1024, gpu=None, sms=66).plan["kernel"] == WALK
 
 
 def test_unaligned_shards_take_one_element_tiles():

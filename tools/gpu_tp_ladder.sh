@@ -11,6 +11,7 @@
 #   bench        the TP=NPROC benchmark at MiniMax-M2's widths: every rung, tuned, the local shard and SGLang's
 #                kernel, graph replays, pages into docs/results
 #   b2b          the same rows timed back to back (SGLang's method) at B2B_TOKENS
+#   bench_2, b2b_2  where NPROC > 2: the same two benchmarks at TP=2
 #   sanitizer    compute-sanitizer memcheck of tests/tp_gpu_checks.py --small at 2 ranks (every rung, tuned)
 #   checks_2     where NPROC > 2: the checks again at 2 ranks
 # What comes back in $OUT (3 files): env.txt, summary.txt, results.tgz (logs/, pages/: the tp_qk_norm pages
@@ -75,6 +76,12 @@ stage bench 200 python3 -m cookbook.bench.tp --nproc "$NPROC" --shapes minimax -
 stage b2b 150 python3 -m cookbook.bench.tp --nproc "$NPROC" --shapes minimax --tokens "$B2B_TOKENS" --timing back_to_back \
   --impls "$rows" --results-dir docs/results --out "$OUT/bench_b2b"
 export CUDA_VISIBLE_DEVICES=0,1
+if ((NPROC > 2)); then  # the TP=2 pages too
+  stage bench_2 150 python3 -m cookbook.bench.tp --nproc 2 --shapes minimax --impls "$rows" --results-dir docs/results \
+    --out "$OUT/bench_graph_2"
+  stage b2b_2 120 python3 -m cookbook.bench.tp --nproc 2 --shapes minimax --tokens "$B2B_TOKENS" --timing back_to_back \
+    --impls "$rows" --results-dir docs/results --out "$OUT/bench_b2b_2"
+fi
 stage sanitizer 90 compute-sanitizer --tool memcheck --report-api-errors no --target-processes all --error-exitcode 3 \
   $(ranks 2) tests/tp_gpu_checks.py --small
 ((NPROC > 2)) && stage checks_2 100 $(ranks 2) tests/tp_gpu_checks.py --quick

@@ -28,11 +28,12 @@ struct Policy {
   int lagged_max_world;    // above that band, rung 5's walk at world sizes up to this; rung 4's tiles above
 };
 
-// lean_tokens_per_sm: measured on 2 and 4 H200s at MiniMax-M2's widths, both timing methods, the
-// lean kernel led up to 4 tokens per SM and trailed at 16. lagged_max_world: the walk was measured
+// lean_tokens_per_sm: measured on 2 and 4 H200s at MiniMax-M2's widths, both timing methods, rung
+// 8's paired kernel led the walk and the tiles up to 8 tokens per SM (1024 tokens on 132 SMs) and
+// trailed from 12 (TP=8 is not measured in this band). lagged_max_world: the walk was measured
 // ahead of the tiles at TP=2 and TP=4; at TP=8 only the tiles were measured at prefill, and world
 // sizes between take the next measured size's choice (their shards are at least as wide).
-constexpr Policy kPolicy{.lean_tokens_per_sm = 4, .lagged_max_world = 4};
+constexpr Policy kPolicy{.lean_tokens_per_sm = 8, .lagged_max_world = 4};
 
 // What the policy reads of a chunk.
 struct Call {
