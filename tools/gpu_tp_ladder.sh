@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tp_qk_norm's ladder and tuned kernel (kernels_cuda/tp_qk_norm/) on a machine with NPROC GPUs (2 or 4),
 # within about 8 minutes: from the repository root,
-#   OUT=/some/dir [NPROC=4] [B2B_TOKENS=1,128,2048,16384] bash tools/gpu_tp_ladder.sh
+#   OUT=/some/dir [NPROC=4] [BENCH_TOKENS=1,...] [B2B_TOKENS=1,128,2048,16384] bash tools/gpu_tp_ladder.sh
+# (BENCH_TOKENS: the graph benchmark's token counts, default the benchmark's MiniMax-M2 list)
 # Stages (each with its own time limit; summary.txt says what each did):
 #   peers        the peer wheels of .whl/ (WHEELS) installed without network into build/peers (SGLang's TP kernel)
 #   build_tuned  the tuned extension alone from an empty cache, timed (what the first backend="auto" call pays)
@@ -71,13 +72,13 @@ ranks() { echo python3 -m torch.distributed.run --standalone --nproc-per-node="$
 stage checks 130 $(ranks "$NPROC") tests/tp_gpu_checks.py --quick
 CUDA_VISIBLE_DEVICES=0 stage explain 60 python3 -m pytest -q -x tests/test_gpu_explain.py -k tp
 rows=$(python3 -c "from cookbook import registry; print(','.join([i.name for i in registry.implementations('tp_qk_norm', ('cuda', 'tuned'))] + ['local_cross_head_norm', 'sglang_fused_parallel_qknorm']))")
-stage bench 200 python3 -m cookbook.bench.tp --nproc "$NPROC" --shapes minimax --impls "$rows" --results-dir docs/results \
+stage bench 200 python3 -m cookbook.bench.tp --nproc "$NPROC" --shapes minimax ${BENCH_TOKENS:+--tokens "$BENCH_TOKENS"} --impls "$rows" --results-dir docs/results \
   --out "$OUT/bench_graph"
 stage b2b 150 python3 -m cookbook.bench.tp --nproc "$NPROC" --shapes minimax --tokens "$B2B_TOKENS" --timing back_to_back \
   --impls "$rows" --results-dir docs/results --out "$OUT/bench_b2b"
 export CUDA_VISIBLE_DEVICES=0,1
 if ((NPROC > 2)); then  # the TP=2 pages too
-  stage bench_2 150 python3 -m cookbook.bench.tp --nproc 2 --shapes minimax --impls "$rows" --results-dir docs/results \
+  stage bench_2 150 python3 -m cookbook.bench.tp --nproc 2 --shapes minimax ${BENCH_TOKENS:+--tokens "$BENCH_TOKENS"} --impls "$rows" --results-dir docs/results \
     --out "$OUT/bench_graph_2"
   stage b2b_2 120 python3 -m cookbook.bench.tp --nproc 2 --shapes minimax --tokens "$B2B_TOKENS" --timing back_to_back \
     --impls "$rows" --results-dir docs/results --out "$OUT/bench_b2b_2"
