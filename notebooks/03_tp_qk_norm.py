@@ -332,10 +332,6 @@ for me, r in enumerate(ranks):
           f"{results[me][1] == want[1]}; epoch {r.epoch}")
 
 # %% [markdown]
-# Left out here, on the page: many CTAs per rank, CUDA graphs, calls longer than the workspace,
-# a rank that never comes (a bounded wait, then the group ends) and one that rejects its own
-# arguments (it still launches, with an absent header, so its peers raise at once).
-#
 # ## 7. The ladder: eight CUDA C rungs
 #
 # The kernels live in `kernels_cuda/tp_qk_norm/`, one file per rung, its first line its lead
@@ -388,9 +384,7 @@ walkthrough.excerpt("kernels_cuda/tp_qk_norm/v8_two_tokens_per_exchange.cuh", " 
 # %% [markdown]
 # ## 8. The tuned kernel: which rung's kernel runs
 #
-# `tuned.cuh` launches what `plan` in `policy.h` (plain C++) says for each chunk: up to a few
-# tokens per SM rung 7's kernel, or rung 8's above rung 7's resident CTAs; rung 5's walk above at
-# world sizes where it was measured ahead; rung 4's tiles elsewhere. From the source:
+# `tuned.cuh` launches what `plan` in `policy.h` (plain C++) says for each chunk; its thresholds:
 
 # %%
 walkthrough.excerpt("kernels_cuda/tp_qk_norm/policy.h", "struct Policy {", "// What the policy reads of a chunk.")
@@ -402,7 +396,7 @@ walkthrough.excerpt("kernels_cuda/tp_qk_norm/policy.h", "struct Policy {", "// W
 
 # %%
 for tp in (2, 4):
-    for tokens in (1, 512, 16384):
+    for tokens in (1, 1024, 16384):
         try:  # the full widths and the group's size; each rank holds width / tp
             plan = cookbook.explain(OP, shape=(tokens, Q_WIDTH, K_WIDTH), world=tp, gpu="h100").plan
         except RuntimeError as error:  # without nvcc the host policy cannot be compiled

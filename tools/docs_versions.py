@@ -442,17 +442,17 @@ def tp_pages(world: int = TP_WORLD) -> dict[str, dict]:
     return pages
 
 
-def _tp_when(pages: dict[str, dict]) -> str:
+def _tp_when(pages: dict[str, dict], world: int = TP_WORLD) -> str:
     from cookbook.bench import tp as bench_tp
 
     links = []
     for timing, data in pages.items():
         meta = data["metadata"]
-        stem = bench_tp.page_stem(RECORDED_GPU, TP_WORLD, timing)
+        stem = bench_tp.page_stem(RECORDED_GPU, world, timing)
         name = "graph" if timing == bench_tp.GRAPH else "back to back"
         links.append(f"[{name}](results/{stem}.md): {meta.get('date', '-')[:10]}, commit {meta.get('commit', '-')}")
     gpu = next((d["metadata"]["gpu"] for d in pages.values() if d["metadata"]), "-")
-    return f"{TP_WORLD} x {gpu}, bf16, fused rounding; {'; '.join(links)}"
+    return f"{world} x {gpu}, bf16, fused rounding; {'; '.join(links)}"
 
 
 def tp_ladder_table() -> str:
@@ -511,17 +511,18 @@ def tp_which_table() -> str:
     return "\n".join(lines)
 
 
-def tp_minimax_table() -> str:
+def tp_minimax_table(world: int = TP_WORLD) -> str:
     """The tuned kernel against SGLang's fused TP kernel and the local shard at MiniMax-M2's widths
-    at TP=2, timed in one run on the same GPUs, by both methods."""
+    at TP=`world`, timed in one run on the same GPUs, by both methods (at another world size than
+    TP_WORLD without the local shard, its caption pointing at the first table's)."""
     from cookbook.bench import tp as bench_tp
 
-    pages = tp_pages()
+    pages = tp_pages(world)
     tuned = registry.fastest("tp_qk_norm").name
     header = ["tokens"]
     for timing in pages:
         name = "graph" if timing == bench_tp.GRAPH else "back to back"
-        header += [f"{name}: {tuned}", "SGLang", "ours / SGLang", "local shard"]
+        header += [f"{name}: {tuned}", "SGLang", "ours / SGLang"] + (["local shard"] if world == TP_WORLD else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     tokens = sorted({r["shape"][0] for d in pages.values() for r in d["rows"]
                      if tuple(r["shape"][1:]) == bench_tp.MINIMAX_WIDTHS})
@@ -531,9 +532,12 @@ def tp_minimax_table() -> str:
             timed = bench_tp.timed_at(data["rows"], t)
             ours, sglang, local = timed.get(tuned), timed.get(bench_tp.SGLANG_TP), timed.get(bench_tp.LOCAL_SHARD)
             cells += [f"{ours:.2f}" if ours else "-", f"{sglang:.2f}" if sglang else "-",
-                      f"**{ours / sglang:.2f}**" if ours and sglang else "-", f"{local:.2f}" if local else "-"]
+                      f"**{ours / sglang:.2f}**" if ours and sglang else "-"]
+            cells += [f"{local:.2f}" if local else "-"] if world == TP_WORLD else []
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"(us per call ({_tp_when(pages)}); graph: the slowest rank's median of CUDA-graph replays after a "
+    if world != TP_WORLD:
+        return "\n".join(lines + ["", f"(us per call, timed as above; {_tp_when(pages, world)}.)"])
+    lines += ["", f"(us per call ({_tp_when(pages, world)}); graph: the slowest rank's median of CUDA-graph replays after a "
                   f"barrier; back to back: rank 0's mean over {bench_tp.B2B_REPLAYS} x {bench_tp.LAYERS} calls; -: not "
                   f"timed by that method.)"]
     return "\n".join(lines)
@@ -550,7 +554,7 @@ def write_generated(op: str) -> Path:
     page = RESULTS_DIR.parent / f"{op}.md"
     text = page.read_text()
     for name, table_text in named_tables(op):
-        if name in ("ladder", "which", "results", "peers", "minimax"):
+        if name in ("ladder", "which", "results", "peers", "minimax", "minimax4"):
             start, end = GENERATED.format(name), GENERATED_END.format(name)
             before, rest = text.split(start, 1)
             _, after = rest.split(end, 1)
@@ -569,7 +573,8 @@ def named_tables(op: str) -> list[tuple[str, str]]:
     tables; the older layout's versions table and, where a
     peers sweep is recorded (`--tag peers`), the comparison with the peers."""
     if op == "tp_qk_norm":
-        return [("ladder", tp_ladder_table()), ("which", tp_which_table()), ("minimax", tp_minimax_table())]
+        return [("ladder", tp_ladder_table()), ("which", tp_which_table()), ("minimax", tp_minimax_table()),
+                ("minimax4", tp_minimax_table(4))]
     if any(impl.extension is not None for impl in registry.implementations(op)):
         from cookbook import explainer
 
