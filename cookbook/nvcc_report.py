@@ -77,17 +77,18 @@ def _demangle(names: list[str]) -> list[str]:
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {}  # older layout: the entry points a header unit keeps
 
 
-def _report_cache(op: str, arch: str, unit_text: str, compiler: str) -> Path:
+def _report_cache(op: str, arch: str, unit_text: str, compiler: str, kernel_dir: Path | None = None) -> Path:
     """Where ptxas's report for this exact compile is kept: keyed by the unit, every header under
-    kernels_cuda/, the flags, the arch and the nvcc binary, so an edit anywhere means a new key.
-    A header compiles in minutes on a small CI machine, and the tests and notebooks of one run ask
-    for the same report several times."""
+    kernels_cuda/ (or `kernel_dir`), the flags, the arch and the nvcc binary, so an edit anywhere
+    means a new key. A header compiles in minutes on a small CI machine, and the tests and
+    notebooks of one run ask for the same report several times."""
+    kernel_dir = KERNEL_DIR if kernel_dir is None else kernel_dir
     digest = hashlib.sha256()
     stat = os.stat(os.path.realpath(compiler))
     for part in (unit_text, arch, " ".join(NVCC_FLAGS), os.path.realpath(compiler), str(stat.st_size), str(stat.st_mtime_ns)):
         digest.update(part.encode() + b"\0")
-    for header in sorted(p for p in KERNEL_DIR.rglob("*") if p.suffix in (".cuh", ".h")):
-        digest.update(str(header.relative_to(KERNEL_DIR)).encode() + b"\0" + header.read_bytes() + b"\0")
+    for header in sorted(p for p in kernel_dir.rglob("*") if p.suffix in (".cuh", ".h")):
+        digest.update(str(header.relative_to(kernel_dir)).encode() + b"\0" + header.read_bytes() + b"\0")
     root = Path(os.environ.get("COOKBOOK_BUILD_DIR", Path.home() / ".cache" / "fused-norm-cookbook"))
     return root / "ptxas_reports" / f"{op}-{arch}-{digest.hexdigest()[:24]}.log"
 

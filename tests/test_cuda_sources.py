@@ -140,13 +140,13 @@ def test_docs_tables_match_the_generator(op):
 
 def test_ptxas_report_cache_key_follows_every_header(tmp_path, monkeypatch):
     """compile_header reuses a report only for the same unit, flags, arch, nvcc and headers: an
-    edit to any header under kernels_cuda/ (an include too) must give a new cache file."""
+    edit to any header under kernels_cuda/ (an include too) must give a new cache file. (The
+    kernel folder is passed, not patched: background compiles read the module's while this runs.)"""
     (tmp_path / "include").mkdir()
     (tmp_path / "op.cuh").write_text("// op\n")
     (tmp_path / "include" / "common.cuh").write_text("// common\n")
-    monkeypatch.setattr(nvcc_report, "KERNEL_DIR", tmp_path)
     monkeypatch.setenv("COOKBOOK_BUILD_DIR", str(tmp_path / "cache"))
-    key = lambda arch="sm_90": nvcc_report._report_cache("op", arch, "unit", sys.executable)  # noqa: E731
+    key = lambda arch="sm_90": nvcc_report._report_cache("op", arch, "unit", sys.executable, tmp_path)  # noqa: E731
     first = key()
     assert key() == first and first.parent == tmp_path / "cache" / "ptxas_reports"
     assert key("sm_80") != first
