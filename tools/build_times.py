@@ -14,8 +14,8 @@ process with its own empty cache: a model of that family (`cookbook.integrations
 random weights) is made on the GPU, then `cookbook.integrations.transformers.patch(model)` and its
 first forward are timed to the synchronized logits (what a user waits for between `patch` and the
 first token). For tp_qk_norm (1) is what its first call builds, the tuned extension, timed from
-before `import cookbook` to the extension loaded (the call itself needs two ranks). Writes docs/results/<op>_<gpu>_builds.{md,json}: wall seconds, each extension's
-seconds, the machine's cores.
+before `import cookbook` to the extension loaded (the call itself needs two ranks). Writes
+docs/results/<op>_<gpu>_builds.{md,json}: wall seconds, each extension's seconds, the machine's cores.
 """
 
 from __future__ import annotations

@@ -554,8 +554,8 @@ def write_generated(op: str) -> Path:
     page = RESULTS_DIR.parent / f"{op}.md"
     text = page.read_text()
     for name, table_text in named_tables(op):
-        if name in ("ladder", "which", "results", "peers", "minimax", "minimax4"):
-            start, end = GENERATED.format(name), GENERATED_END.format(name)
+        start, end = GENERATED.format(name), GENERATED_END.format(name)
+        if start in text:  # between its markers
             before, rest = text.split(start, 1)
             _, after = rest.split(end, 1)
             text = f"{before}{start}\n{table_text}\n{end}{after}"
