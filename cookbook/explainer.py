@@ -737,7 +737,10 @@ class QkNormRopeCache:
         return found + [("path", "one pass: q, k and v rows in one kernel, k and v into the caches from registers"),
                         ("lane group", f"{p['lanes_per_row']} lanes per row, {p['rows_per_block']} rows per block of "
                                        f"{p['block']} threads"),
-                        ("grid", f"{int(p['grid']):,} blocks, a row per lane group: {p['waves']} wave(s) of "
+                        ("grid", f"{int(p['grid']):,} blocks, each lane group walking {p['waves']} row(s) a grid apart "
+                                 f"(at most the resident blocks: {p['sms']} SMs x {p['blocks_per_sm']}; a cache of the "
+                                 f"activation dtype)" if p["walk"] == "true" else
+                                 f"{int(p['grid']):,} blocks, a row per lane group: {p['waves']} wave(s) of "
                                  f"{p['sms']} SMs x {p['blocks_per_sm']} blocks")]
 
     # The generated "which kernel runs" table of docs/qk_norm_rope_cache.md: its policy columns.

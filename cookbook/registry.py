@@ -229,7 +229,7 @@ IMPLEMENTATIONS: dict[str, list[Impl]] = {
         _rung("qk_norm_rope_cache", 3, "v3_programmatic_warm_tables.cuh",
               "a programmatic launch, tables and slots warmed into L2 during its wait, read with the row - removes the launch gap and decode's table round trips"),
         _tuned("qk_norm_rope_cache",
-               "v3's kernel, weights held packed, no division: four blocks per SM; neighbouring units stored whole; off the vector path the split, by one named policy"),
+               "v3's kernel, weights packed, no division: four blocks per SM; neighbours stored whole; bf16-cache calls walked by resident blocks; off the vector path the split"),
         Impl("qk_norm_rope_cache", "torch_compile", "peer", 0, "cookbook.peers:qk_norm_rope_cache_compiled",
              "torch.compile(fullgraph=True) of the reference: what a user would pick instead"),
         Impl("qk_norm_rope_cache", "ours_then_index_copy", "peer", 0, "cookbook.peers.cache_write:ours_then_index_copy",

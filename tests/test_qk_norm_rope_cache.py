@@ -506,11 +506,13 @@ def _plans(tmp_path_factory, lines):
     ("1 32 8 128 128 1 0 1 1 1 132 3", 2, 1),          # decode: 48 rows of 8 lanes, 32 rows a block
     ("256 32 8 128 128 1 1 1 1 1 132 3", 384, 1),
     ("8192 32 8 128 128 1 1 1 1 1 132 3", 12288, 32),
-    ("396 32 8 128 128 1 0 1 1 1 132 3", 594, 2),      # just past one wave (132 x 3 blocks of 32 rows)
+    ("396 32 8 128 128 1 0 1 1 1 132 3", 396, 2),      # just past one wave (132 x 3 blocks of 32 rows): a bf16 cache walks
+    ("8192 32 8 128 128 1 0 1 1 1 132 3", 396, 32),    # on the resident blocks, 32 rows per lane group
 ])
 def test_policy_one_pass(tmp_path_factory, line, grid, waves):
     (plan,) = _plans(tmp_path_factory, [line])
     assert plan["path"] == "one_pass" and int(plan["grid"]) == grid and int(plan["waves"]) == waves, plan
+    assert plan["walk"] == ("false" if line.split()[6] == "1" else "true")
     assert plan["programmatic"] == "true" and plan["block"] == "256" and plan["off_vectors"] == "none"
     assert plan["cache"] == ("CacheDtype::kFp8E4m3" if line.split()[6] == "1" else "CacheDtype::kActivation")
 

@@ -63,6 +63,12 @@ struct Call {
 // A kernel the plan can launch, with its template arguments.
 enum class KernelName : int { kOnePass, kSplit };
 
+// Whether the one-pass kernel walks (a grid of at most the resident blocks, each lane group taking a
+// row every grid's rows) or gives each lane group one row: it walks with a cache of the activation
+// dtype, where it was measured ahead of a row per lane group (docs/results/qk_norm_rope_cache_*_cwalk*);
+// with an FP8 cache the loop costs registers (a block per SM) or a spill.
+constexpr bool walks(CacheDtype cache) { return cache == CacheDtype::kActivation; }
+
 struct Kernel {
   KernelName name = KernelName::kOnePass;
   DType dtype = DType::kBFloat16;
@@ -91,7 +97,8 @@ struct Plan {
   int rows_per_block = 0;
   int sms = 0;
   int blocks_per_sm = 0;     // resident blocks of the one-pass kernel per SM
-  int64_t waves = 0;         // the grid in waves of resident blocks
+  int64_t waves = 0;         // a block per rows_per_block rows, in waves of resident blocks
+  bool walk = false;         // the grid cut to the resident blocks, each lane group walking `waves` rows
 };
 
 // The plan of `call` on a GPU of `sms` SMs; blocks_per_sm(kernel) is how many blocks of `kernel`
@@ -125,9 +132,12 @@ Plan plan(const Call& call, int sms, BlocksPerSm&& blocks_per_sm) {
   plan.rows_per_block = kThreadsPerBlock / plan.lanes_per_row;
   plan.block = kThreadsPerBlock;
   plan.programmatic = true;
-  plan.grid = ceil_div(plan.rows, plan.rows_per_block);
+  const int64_t blocks = ceil_div(plan.rows, plan.rows_per_block);
   plan.blocks_per_sm = blocks_per_sm(plan.kernel);
-  plan.waves = ceil_div(plan.grid, static_cast<int64_t>(sms) * (plan.blocks_per_sm > 0 ? plan.blocks_per_sm : 1));
+  const int64_t resident = static_cast<int64_t>(sms) * (plan.blocks_per_sm > 0 ? plan.blocks_per_sm : 1);
+  plan.waves = ceil_div(blocks, resident);
+  plan.walk = walks(call.cache);
+  plan.grid = plan.walk && blocks > resident ? resident : blocks;
   return plan;
 }
 
@@ -188,7 +198,7 @@ inline std::string describe(const Plan& plan) {
       .add("off_vectors", name_of(plan.off_vectors))
       .add("cache", name_of(plan.kernel.cache));
   if (plan.kernel.name == KernelName::kOnePass) {
-    facts.add("sms", plan.sms).add("blocks_per_sm", plan.blocks_per_sm).add("waves", plan.waves);
+    facts.add("sms", plan.sms).add("blocks_per_sm", plan.blocks_per_sm).add("waves", plan.waves).add("walk", plan.walk);
   }
   return facts.text();
 }

@@ -1,4 +1,4 @@
-// tuned: v3's kernel, weights held packed, no division: four blocks per SM; neighbouring units stored whole; off the vector path the split, by one named policy
+// tuned: v3's kernel, weights packed, no division: four blocks per SM; neighbours stored whole; bf16-cache calls walked by resident blocks; off the vector path the split
 //
 // What `backend="cuda"` and `"auto"` run. Rung 3's kernel (programmatic launch, the tables, slot
 // and position warmed into L2 during the wait and read with the row, the default cache policy:
@@ -11,12 +11,17 @@
 //     where rung 3 divides 64-bit integers (the policy keeps rows and slots under 2^31);
 //   * a unit whose two vectors are neighbours in memory (a v row's, a k row's pass-through or
 //     interleaved units) stored into the cache as one store, so an FP8 unit of a bf16 row is 16
-//     elements in one 16-byte store, where rung 3 makes two 8-byte ones.
+//     elements in one 16-byte store, where rung 3 makes two 8-byte ones;
+//   * with a cache of the activation dtype, a walk (policy.h: walks): the grid is at most the
+//     resident blocks and each lane group takes a row every grid's rows, so no block starts after
+//     the first wave. With an FP8 cache the loop costs ptxas 10 registers (74: three blocks per
+//     SM), so there the grid keeps a block per rows_per_block rows.
 // Calls off the vector path take the split path: qk_norm_rope's warp per row, then rung 1's copy
 // kernel (cache_copy.cuh; policy.h says which runs when).
 //
-// grid.x: the plan's, ceil(rows / rows per block); lane group -> row (a two-vector unit per lane
-// slot: PairLanes in qk_norm_rope/rows.cuh), rows numbered q's heads, k's, v's of each token.
+// grid.x: the plan's: ceil(rows / rows per block), at most the resident blocks where the kernel
+// walks; lane group -> rows base + group, base + group + the grid's rows, ... (a two-vector unit
+// per lane slot: PairLanes in qk_norm_rope/rows.cuh), rows numbered q's heads, k's, v's of each token.
 #pragma once
 
 #include <string>
@@ -72,14 +77,15 @@ __device__ __forceinline__ C* slot_row(const Cache& c, int64_t slot, const Param
   return static_cast<C*>(c.data) + block * c.block_stride + at * c.slot_stride + head * c.head_stride;
 }
 
+// One row of the call per lane group: `row` (past the last row the group still joins its shuffles,
+// on zeros). On the block's first row (`first`) it warms and waits for the previous kernel.
 template <typename T, Rounding kRounding, int kHeadDim, Layout kLayout, TableDtype kWeights, TableDtype kCosSin,
           CacheDtype kCache>
-__global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_kernel(Params p, int64_t rows, Divisors div) {
+__device__ __forceinline__ void one_row(const Params& p, int64_t rows, const Divisors& div, uint32_t row, bool first) {
   using Lanes = PairLanes<T, kHeadDim>;
   using C = CacheElem<T, kCache>;
   using WeightT = TableType<T, kWeights>;
   using CosSinT = TableType<T, kCosSin>;
-  constexpr int kRowsPerBlock = kThreadsPerBlock / Lanes::kLanes;
   constexpr int kVecElems = Lanes::kVecElems;
   constexpr int kUnits = Lanes::kUnitsPerLane;
   constexpr bool kHf = kRounding == Rounding::kHf;
@@ -87,8 +93,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_ker
   const qk_norm_rope::Params& r = p.rope;
   const int lane = threadIdx.x % Lanes::kLanes;
   const int group = threadIdx.x / Lanes::kLanes;
-  const uint32_t row = blockIdx.x * kRowsPerBlock + group;  // < 2^31 + kRowsPerBlock (the policy)
-  const bool active = row < rows;  // a group past the last row still joins its shuffles, on zeros
+  const bool active = row < rows;  // row < 2^31 + a block's rows (the policy)
   const uint32_t heads = r.num_q_heads + 2 * r.num_kv_heads;  // q's, k's and v's
   const uint32_t row_token = div.heads.divide(row);
   const int64_t token = active ? row_token : 0;
@@ -98,13 +103,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_ker
   const bool is_k = kv_head >= 0 && !is_v;
   const LaneUnits<kUnits> u = lane_units<kUnits, kVecElems>(lane, Lanes::kLanes, is_v ? 0 : r.rope_dim, kNeox);
 
-  // 0. while the previous kernel still runs: the group of each token's first head (a q row) warms
-  // the token's slot, first (as rung 3: the cos/sin warming behind it waits for a position read),
-  // then qk_norm_rope's warming of the weights and of each token's cos/sin run
-  if (active && head == 0) warm_l2(static_cast<const char*>(p.slot_mapping) + token * (p.slots_are_int64 ? 8 : 4));
-  qk_norm_rope::tuned::warm_call_tables<T, kHeadDim, WeightT, CosSinT>(r, active, static_cast<uint32_t>(token), head,
-                                                                      group, u);
-  after_prior_grids();  // nothing is read before the previous kernel's writes are visible
+  // 0. the block's first rows, while the previous kernel still runs: the group of each token's
+  // first head (a q row) warms the token's slot, first (as rung 3: the cos/sin warming behind it
+  // waits for a position read), then qk_norm_rope's warming of the weights and each token's cos/sin
+  if (first) {
+    if (active && head == 0) warm_l2(static_cast<const char*>(p.slot_mapping) + token * (p.slots_are_int64 ? 8 : 4));
+    qk_norm_rope::tuned::warm_call_tables<T, kHeadDim, WeightT, CosSinT>(r, active, static_cast<uint32_t>(token), head,
+                                                                        group, u);
+    after_prior_grids();  // nothing is read before the previous kernel's writes are visible
+  }
 
   T* x = nullptr;  // 1. the row, and right behind it its tables and slot
   const void* w = nullptr;
@@ -172,6 +179,23 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_ker
       store_cache<T, kCache, 1>(k_dst + u.col_b[s], {rb}, k_scale);
     } else {  // neighbours: one store
       store_cache<T, kCache, 2>(k_dst + u.col_a[s], {ra, rb}, k_scale);
+    }
+  }
+}
+
+template <typename T, Rounding kRounding, int kHeadDim, Layout kLayout, TableDtype kWeights, TableDtype kCosSin,
+          CacheDtype kCache>
+__global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_kernel(Params p, int64_t rows, Divisors div) {
+  constexpr int kRowsPerBlock = kThreadsPerBlock / PairLanes<T, kHeadDim>::kLanes;
+  const uint32_t group = threadIdx.x / PairLanes<T, kHeadDim>::kLanes;
+  const uint32_t first_base = blockIdx.x * kRowsPerBlock;
+  if constexpr (!walks(kCache)) {
+    one_row<T, kRounding, kHeadDim, kLayout, kWeights, kCosSin, kCache>(p, rows, div, first_base + group, true);
+  } else {
+    // Every lane group of a block makes the same trips, so each joins its shuffles on every trip.
+    const uint32_t grid_rows = gridDim.x * kRowsPerBlock;  // the resident blocks' rows: < 2^31
+    for (uint32_t base = first_base; base < rows; base += grid_rows) {
+      one_row<T, kRounding, kHeadDim, kLayout, kWeights, kCosSin, kCache>(p, rows, div, base + group, base == first_base);
     }
   }
 }
