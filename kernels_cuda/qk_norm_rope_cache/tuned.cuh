@@ -5,7 +5,7 @@
 // at decode the rows the previous kernel just wrote are read from L2), with what the ladder
 // leaves out because it teaches no new idea but every call gains from it:
 //   * the weights held as loaded (a 16-byte vector of 8 bf16 values) and widened to float32 at
-//     their use: 61 registers with a bf16 cache, 64 with FP8 (rung 3: 76, 80), so four blocks of
+//     their use: 61 registers with a bf16 cache (64 with the walk's warming), 64 with FP8 (rung 3: 76, 80), so four blocks of
 //     256 threads per SM instead of three: a third more rows in flight;
 //   * a row's (token, head) and a slot's (block, offset) by multiply-high (FastDivisor) in 32 bits,
 //     where rung 3 divides 64-bit integers (the policy keeps rows and slots under 2^31);
@@ -14,8 +14,11 @@
 //     elements in one 16-byte store, where rung 3 makes two 8-byte ones;
 //   * with a cache of the activation dtype, a walk (policy.h: walks): the grid is at most the
 //     resident blocks and each lane group takes a row every grid's rows, so no block starts after
-//     the first wave. With an FP8 cache the loop costs ptxas 10 registers (74: three blocks per
-//     SM), so there the grid keeps a block per rows_per_block rows.
+//     the first wave; once its row's loads are issued, a lane group warms its next row into L2
+//     (warm_row: the row's lines, and a token's slot and position), so each trip after the first
+//     reads from L2 what it would wait on DRAM for. 64 registers: still four blocks per SM. With
+//     an FP8 cache the loop costs ptxas 10 registers (74: three blocks per SM), so there the grid
+//     keeps a block per rows_per_block rows.
 // Calls off the vector path take the split path: qk_norm_rope's warp per row, then rung 1's copy
 // kernel (cache_copy.cuh; policy.h says which runs when).
 //
@@ -77,11 +80,34 @@ __device__ __forceinline__ C* slot_row(const Cache& c, int64_t slot, const Param
   return static_cast<C*>(c.data) + block * c.block_stride + at * c.slot_stride + head * c.head_stride;
 }
 
+// The walk's next row for this lane group (`row`, < rows), warmed into L2 while the current one is
+// in flight: the lane's share of the row's lines and, for a token's first head, the token's slot and
+// position. prefetch.global.L2 holds no register; the row's cos/sin is left to its own trip (warming
+// it needs the position in a register: the page's tried-and-dropped table).
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void warm_row(const Params& p, const Divisors& div, uint32_t row) {
+  using Lanes = PairLanes<T, kHeadDim>;
+  constexpr int kLaneElems = kHeadDim / Lanes::kLanes;  // the lane's share of a row
+  static_assert(kLaneElems * static_cast<int>(sizeof(T)) <= kL2LineBytes, "the lanes' shares reach every line of the row");
+  const qk_norm_rope::Params& r = p.rope;
+  const uint32_t heads = r.num_q_heads + 2 * r.num_kv_heads;
+  const uint32_t token = div.heads.divide(row);
+  const int head = static_cast<int>(row - token * heads);
+  const int v_head = head - r.num_q_heads - r.num_kv_heads;
+  const T* x = v_head < 0 ? qk_norm_rope::row_at<T>(r, token, head).x
+                          : static_cast<const T*>(p.v) + token * p.v_token_stride + v_head * p.v_head_stride;
+  warm_l2(x + (threadIdx.x % Lanes::kLanes) * kLaneElems);
+  if (head != 0) return;
+  warm_l2(static_cast<const char*>(p.slot_mapping) + int64_t{token} * (p.slots_are_int64 ? 8 : 4));
+  warm_l2(static_cast<const char*>(r.positions) + int64_t{token} * (r.positions_are_int64 ? 8 : 4));
+}
+
 // One row of the call per lane group: `row` (past the last row the group still joins its shuffles,
 // on zeros). On the block's first row (`first`) it warms and waits for the previous kernel.
 template <typename T, Rounding kRounding, int kHeadDim, Layout kLayout, TableDtype kWeights, TableDtype kCosSin,
           CacheDtype kCache>
-__device__ __forceinline__ void one_row(const Params& p, int64_t rows, const Divisors& div, uint32_t row, bool first) {
+__device__ __forceinline__ void one_row(const Params& p, int64_t rows, const Divisors& div, uint32_t row, bool first,
+                                        uint32_t next) {
   using Lanes = PairLanes<T, kHeadDim>;
   using C = CacheElem<T, kCache>;
   using WeightT = TableType<T, kWeights>;
@@ -141,6 +167,9 @@ __device__ __forceinline__ void one_row(const Params& p, int64_t rows, const Div
       if (u.rotates[s]) unit_cos_sin<T, kHf, CosSinT, kVecElems>(r, cache, u.unit[s], cos[s], sin[s]);
     }
   }
+  if constexpr (walks(kCache)) {  // the walk's next row, warmed while this one is in flight
+    if (next < rows) warm_row<T, kHeadDim>(p, div, next);
+  }
 
   if (is_v && slot >= 0) {  // 2v. the v row into its slot, before the sum (which it only joins)
     C* dst = slot_row<C>(p.v_cache, slot, p, div, kv_head - r.num_kv_heads);
@@ -190,12 +219,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock) qk_norm_rope_cache_tuned_ker
   const uint32_t group = threadIdx.x / PairLanes<T, kHeadDim>::kLanes;
   const uint32_t first_base = blockIdx.x * kRowsPerBlock;
   if constexpr (!walks(kCache)) {
-    one_row<T, kRounding, kHeadDim, kLayout, kWeights, kCosSin, kCache>(p, rows, div, first_base + group, true);
+    one_row<T, kRounding, kHeadDim, kLayout, kWeights, kCosSin, kCache>(p, rows, div, first_base + group, true, static_cast<uint32_t>(rows));
   } else {
     // Every lane group of a block makes the same trips, so each joins its shuffles on every trip.
     const uint32_t grid_rows = gridDim.x * kRowsPerBlock;  // the resident blocks' rows: < 2^31
     for (uint32_t base = first_base; base < rows; base += grid_rows) {
-      one_row<T, kRounding, kHeadDim, kLayout, kWeights, kCosSin, kCache>(p, rows, div, base + group, base == first_base);
+      one_row<T, kRounding, kHeadDim, kLayout, kWeights, kCosSin, kCache>(p, rows, div, base + group, base == first_base,
+                                                                           base + grid_rows + group);
     }
   }
 }
