@@ -197,7 +197,9 @@ walkthrough.effect(measured, "cuda_v2", "cuda_v3")
 # Rung 3's kernel in fewer registers: the weights held as loaded (bf16 pairs) and widened at their
 # use, rows and slots divided by multiply-high in 32 bits; 61 registers instead of 76 let four
 # blocks of 256 threads share an SM instead of three, a third more rows in flight at prefill. A v
-# unit (two neighbouring vectors) goes to an FP8 cache as one 16-byte store. One host policy: the
+# unit (two neighbouring vectors) goes to an FP8 cache as one 16-byte store. With a bf16 cache the
+# grid is cut to the resident blocks and each lane group walks rows a grid apart, prefetching its
+# next row into L2 while the current one is in flight (`waves` below). One host policy: the
 # one-pass kernel where every tensor is whole 16-byte vectors and head_dim is compiled, the split
 # path otherwise (qk_norm_rope's warp per row, then rung 1's copy kernel). `cookbook.explain` asks it:
 
