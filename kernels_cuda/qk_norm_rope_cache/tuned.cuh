@@ -14,9 +14,9 @@
 //     elements in one 16-byte store, where rung 3 makes two 8-byte ones;
 //   * with a cache of the activation dtype, a walk (policy.h: walks): the grid is at most the
 //     resident blocks and each lane group takes a row every grid's rows, so no block starts after
-//     the first wave; once its row's loads are issued, a lane group warms its next row into L2
-//     (warm_row: the row's lines, and a token's slot and position), so each trip after the first
-//     reads from L2 what it would wait on DRAM for. 64 registers: still four blocks per SM. With
+//     the first wave; once its row's loads are issued, a lane group of 16-bit rows warms its next
+//     row into L2 (warm_row: the row's lines, and a token's slot and position), so each trip after
+//     the first reads from L2 what it would wait on DRAM for. 64 registers: still four blocks per SM. With
 //     an FP8 cache the loop costs ptxas 10 registers (74: three blocks per SM), so there the grid
 //     keeps a block per rows_per_block rows.
 // Calls off the vector path take the split path: qk_norm_rope's warp per row, then rung 1's copy
@@ -102,6 +102,12 @@ __device__ __forceinline__ void warm_row(const Params& p, const Divisors& div, u
   warm_l2(static_cast<const char*>(r.positions) + int64_t{token} * (r.positions_are_int64 ? 8 : 4));
 }
 
+// Whether a walking lane group warms its next row: with 16-bit activations (where it was measured).
+// float32 rows walk without it: its address arithmetic made ptxas spill 8 bytes in the interleaved
+// kernels, and float32 is not a serving dtype that prefill times.
+template <typename T, CacheDtype kCache>
+constexpr bool kWarmsNextRow = walks(kCache) && sizeof(T) == 2;
+
 // One row of the call per lane group: `row` (past the last row the group still joins its shuffles,
 // on zeros). On the block's first row (`first`) it warms and waits for the previous kernel.
 template <typename T, Rounding kRounding, int kHeadDim, Layout kLayout, TableDtype kWeights, TableDtype kCosSin,
@@ -167,7 +173,7 @@ __device__ __forceinline__ void one_row(const Params& p, int64_t rows, const Div
       if (u.rotates[s]) unit_cos_sin<T, kHf, CosSinT, kVecElems>(r, cache, u.unit[s], cos[s], sin[s]);
     }
   }
-  if constexpr (walks(kCache)) {  // the walk's next row, warmed while this one is in flight
+  if constexpr (kWarmsNextRow<T, kCache>) {  // the walk's next row, warmed while this one is in flight
     if (next < rows) warm_row<T, kHeadDim>(p, div, next);
   }
 
