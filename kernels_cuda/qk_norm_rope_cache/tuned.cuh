@@ -5,8 +5,8 @@
 // at decode the rows the previous kernel just wrote are read from L2), with what the ladder
 // leaves out because it teaches no new idea but every call gains from it:
 //   * the weights held as loaded (a 16-byte vector of 8 bf16 values) and widened to float32 at
-//     their use: 61 registers with a bf16 cache (64 with the walk's warming), 64 with FP8 (rung 3: 76, 80), so four blocks of
-//     256 threads per SM instead of three: a third more rows in flight;
+//     their use: 61 registers with a bf16 cache (64 with the walk's warming), 64 with FP8 (rung 3:
+//     76, 80), so four blocks of 256 threads per SM instead of three: a third more rows in flight;
 //   * a row's (token, head) and a slot's (block, offset) by multiply-high (FastDivisor) in 32 bits,
 //     where rung 3 divides 64-bit integers (the policy keeps rows and slots under 2^31);
 //   * a unit whose two vectors are neighbours in memory (a v row's, a k row's pass-through or
