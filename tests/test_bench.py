@@ -266,3 +266,20 @@ def test_the_tp_page_compares_with_sglang_timed_in_the_same_run():
                                           row(latest, 2.5)])
     assert "not timed in this run: PeerUnavailable: sglang is not installed" in missing
     assert bench_tp.sglang_comparison([row(latest, 2.5)]) == ""
+
+
+def test_compare_pages_name_no_machines_folders(monkeypatch):
+    """tools/compare_tuned.py writes its command into the page: the old kernels, wherever they were
+    extracted, as OLD/kernels_cuda, and a path inside the checkout relative to it."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("compare_tuned", bench.REPO_ROOT / "tools" / "compare_tuned.py")
+    compare = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, compare)  # its dataclasses look their module up
+    spec.loader.exec_module(compare)
+    results = str(bench.REPO_ROOT / "docs" / "results")
+    shown = compare.page_command(["--old-kernels", "/tmp/x/kernels_cuda", "--old-commit", "abc", "--results-dir", results])
+    assert shown == ("python tools/compare_tuned.py --old-kernels OLD/kernels_cuda --old-commit abc "
+                     "--results-dir docs/results")
+    assert "/tmp" not in compare.page_command(["--old-kernels=/tmp/x/kernels_cuda", "--old-commit", "abc"])

@@ -3,12 +3,12 @@
 
 At every bench shape, with the benchmark's own timing:
 
-    git archive <commit> kernels_cuda | tar -x -C /tmp/old        # the earlier commit's kernels
-    python tools/compare_tuned.py --old-kernels /tmp/old/kernels_cuda --old-commit <commit> --old-version 14
-    python tools/compare_tuned.py --old-kernels /tmp/old/kernels_cuda --old-commit <commit> --old-version tuned
-    python tools/compare_tuned.py --op cross_head_norm --old-kernels DIR --old-commit <commit> --old-version 6,13,14
-    python tools/compare_tuned.py --op qk_norm_rope --old-kernels DIR --old-commit <commit> --old-version 9
-    python tools/compare_tuned.py --op qk_norm_rope_cache --old-kernels DIR --old-commit <commit> --old-version tuned
+    git archive <commit> kernels_cuda | tar -x -C OLD             # the earlier commit's kernels
+    python tools/compare_tuned.py --old-kernels OLD/kernels_cuda --old-commit <commit> --old-version 14
+    python tools/compare_tuned.py --old-kernels OLD/kernels_cuda --old-commit <commit> --old-version tuned
+    python tools/compare_tuned.py --op cross_head_norm --old-kernels OLD/kernels_cuda --old-commit <commit> --old-version 6,13,14
+    python tools/compare_tuned.py --op qk_norm_rope --old-kernels OLD/kernels_cuda --old-commit <commit> --old-version 9
+    python tools/compare_tuned.py --op qk_norm_rope_cache --old-kernels OLD/kernels_cuda --old-commit <commit> --old-version tuned
 
 The earlier commit's kernels (the older layout: every version in one header, `bindings/<op>.cu`
 registering `torch.ops.cookbook.<op>(..., version)`; or the ladder layout's tuned kernel, with
@@ -151,6 +151,21 @@ def _in_repo(arg: str) -> str:
     return arg
 
 
+OLD_KERNELS = "OLD/kernels_cuda"  # what a page calls the old tree: the earlier commit's, extracted as above
+
+
+def page_command(argv: list[str]) -> str:
+    """The command as a page shows it: paths inside the checkout relative to it, and the old kernels,
+    wherever they were extracted, as OLD_KERNELS (a folder of one machine means nothing to a reader)."""
+    shown, old_next = [], False
+    for arg in argv:
+        if old_next or arg.startswith("--old-kernels="):
+            arg = OLD_KERNELS if old_next else f"--old-kernels={OLD_KERNELS}"
+        old_next = arg == "--old-kernels"
+        shown.append(_in_repo(arg))
+    return shlex.join(["python", "tools/compare_tuned.py", *shown])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old-kernels", type=Path, required=True, help="the earlier commit's kernels_cuda/")
@@ -167,7 +182,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds: expected at least 1, got {args.rounds}")
-    command = shlex.join(["python", "tools/compare_tuned.py", *map(_in_repo, argv if argv is not None else sys.argv[1:])])
+    command = page_command(argv if argv is not None else sys.argv[1:])
 
     op = args.op
     tuned = registry.get(op, "cuda_tuned")
