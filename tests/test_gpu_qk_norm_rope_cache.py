@@ -9,6 +9,7 @@ Skipped on machines without a CUDA GPU (CI); run on an H100/H200."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,40 @@ def test_fp8_bytes_equal_torchs_conversion_at_saturation():
         inputs = _inputs((256, 8, 2, 128, 128, False), True, seed=9, kind="tiny")
         inputs["v_scale"].fill_(1e-12)
         check_run(impl.fn, inputs, name=impl.name)
+
+
+def _every_value(dtype, n):
+    """n values of dtype: every finite bf16 or fp16 value and both infinities (NaN patterns as 1),
+    or random float32 bits (NaN as 1)."""
+    if dtype == torch.float32:
+        bits = torch.randint(-2**31, 2**31, (n,), generator=torch.Generator().manual_seed(5), dtype=torch.int64)
+        x = bits.to(torch.int32).view(torch.float32)
+    else:
+        x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    assert x.numel() == n
+    return torch.where(torch.isnan(x), torch.ones_like(x), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_fp8_bytes_equal_torchs_for_every_value_and_scale(dtype):
+    """v holds every bf16 or fp16 value (float32: random bits), at scales across float32's range,
+    negative, subnormal, zero and infinite ones too: every kernel's bytes are torch's (the tuned
+    kernel multiplies by the scale's inverse and corrects the product; the others divide)."""
+    t, hk, d = 64, 8, 128
+    values = _every_value(dtype, t * hk * d)
+    scales = [1.0, 0.1, -0.37, 1 / 448, 3.0e-5, 2.0**-70, 3.0e-39, 2.0**-149, 7.0e30, 3.0e38, 0.0, float("inf")]
+    for impl in registry.implementations(OP, ("numba",) + registry.COMPILED_LEVELS):
+        for scale in scales:
+            inputs = contract.make_inputs(t, 8, hk, d, True, dtype, "cuda", seed=12, fused_qkv=True)
+            v = values.clone()
+            if scale == 0.0:  # 0 / 0 is a NaN, whose sign no contract fixes
+                v = torch.where(v == 0, torch.ones_like(v), v)
+            if scale == float("inf"):  # inf / inf too
+                v = torch.where(torch.isinf(v), torch.ones_like(v), v)
+            inputs["v"].copy_(v.view(t, hk, d))
+            inputs["k_scale"].fill_(scale if math.isfinite(scale) and scale != 0.0 else 1.0)
+            inputs["v_scale"].fill_(scale)
+            check_run(impl.fn, inputs, name=f"{impl.name} (scale {scale!r})")
 
 
 # ---- the tuned kernel's policy: what it launches is what its plan names ------------------------

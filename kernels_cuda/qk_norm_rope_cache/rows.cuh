@@ -53,13 +53,48 @@ __device__ __forceinline__ float cache_scale(const Cache& c) {
   }
 }
 
+// An FP8 cache's scale as the tuned kernel divides by it, with no division per element:
+// x / scale = (x * to_unit) / unit, where unit = |scale| / 2^e lies in [1, 2) and to_unit = sign(scale)
+// / 2^e is a power of two (x * to_unit is exact, or so large or small that the e4m3 byte is the same);
+// a quotient by a unit is x times its inverse, corrected by one fused multiply-add (Markstein's
+// correction): the correctly rounded float32 quotient (tests: every bf16 and fp16 x against the
+// division, at scales across float32's range).
+struct InverseScale {
+  float to_unit;  // sign(scale) * 2^-e
+  float unit;     // |scale| * 2^-e, in [1, 2) (under 1 for a subnormal scale, 0 for a zero one, 1 for an infinite one)
+  float inverse;  // 1 / unit, correctly rounded
+};
+constexpr int kMinUnitExponent = -125;  // 2^(1 - e) at most 2^126, a normal float
+
+template <CacheDtype kCache>
+__device__ __forceinline__ InverseScale cache_inverse_scale(const Cache& c) {
+  const float scale = cache_scale<kCache>(c);
+  if (isinf(scale)) return {copysignf(0.f, scale), 1.f, 1.f};  // x / inf: a signed zero (NaN for x infinite)
+  int e = 0;
+  frexpf(scale, &e);  // |scale| = [0.5, 1) * 2^e
+  e = max(e, kMinUnitExponent);  // a subnormal scale: 2^(1 - e) stays finite, its unit under 1
+  const float unit = ldexpf(fabsf(scale), 1 - e);
+  return {copysignf(ldexpf(1.f, 1 - e), scale), unit, 1.f / unit};
+}
+
+// x / scale: a division, or the corrected product.
+__device__ __forceinline__ float divide(float x, float scale) { return x / scale; }
+__device__ __forceinline__ float divide(float x, const InverseScale& s) {
+  const float x_unit = __fmul_rn(x, s.to_unit);     // exact (or past e4m3's range either way)
+  const float q = __fmul_rn(x_unit, s.inverse);     // within about an ulp of x / scale
+  const float r = __fmaf_rn(q, s.unit, -x_unit);    // its residual, q * unit - x_unit
+  const float q1 = __fmaf_rn(-r, s.inverse, q);     // x / scale, correctly rounded
+  return isinf(q) ? q : q1;  // x infinite, or the quotient past float32: saturated as it is
+}
+
 // What the cache stores for x (already rounded to T: the value k or v holds): x itself, or
-// float(x) / scale (a correctly rounded division, no reciprocal) saturated to +-448 and rounded to
-// the nearest e4m3 (ties to even), as torch's (x / scale).clamp(-448, 448).to(float8_e4m3fn).
-template <typename T, CacheDtype kCache>
-__device__ __forceinline__ CacheElem<T, kCache> cache_element(float x, float scale) {
+// float(x) / scale (correctly rounded: a division, or the corrected product of InverseScale)
+// saturated to +-448 and rounded to the nearest e4m3 (ties to even), as torch's
+// (x / scale).clamp(-448, 448).to(float8_e4m3fn).
+template <typename T, CacheDtype kCache, typename Scale>
+__device__ __forceinline__ CacheElem<T, kCache> cache_element(float x, const Scale& scale) {
   if constexpr (kCache == CacheDtype::kFp8E4m3) {
-    return __nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, __NV_E4M3);
+    return __nv_cvt_float_to_fp8(divide(x, scale), __NV_SATFINITE, __NV_E4M3);
   } else {
     return from_float<T>(x);
   }
@@ -78,8 +113,8 @@ struct WordOf<16> { using type = uint4; };
 // kVecs contiguous vectors of the row (as packed for x: rounded to T) stored at `dst` in the
 // cache's dtype: kVecs 16-byte stores, or, FP8, one store of kVecs * kElems bytes. The default
 // cache policy (evict-first stores were slower at decode: the page's tried-and-dropped table).
-template <typename T, CacheDtype kCache, int kVecs>
-__device__ __forceinline__ void store_cache(CacheElem<T, kCache>* dst, const Vec<T> (&x)[kVecs], float scale) {
+template <typename T, CacheDtype kCache, int kVecs, typename Scale>
+__device__ __forceinline__ void store_cache(CacheElem<T, kCache>* dst, const Vec<T> (&x)[kVecs], const Scale& scale) {
   if constexpr (kCache == CacheDtype::kActivation) {
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) store_vec<T>(dst + i * Vec<T>::kElems, x[i]);

@@ -179,7 +179,7 @@ __device__ __forceinline__ void one_row(const Params& p, int64_t rows, const Div
 
   if (is_v && slot >= 0) {  // 2v. the v row into its slot, before the sum (which it only joins)
     C* dst = slot_row<C>(p.v_cache, slot, p, div, kv_head - r.num_kv_heads);
-    const float scale = cache_scale<kCache>(p.v_cache);
+    const InverseScale scale = cache_inverse_scale<kCache>(p.v_cache);
 #pragma unroll
     for (int s = 0; s < kUnits; ++s) {  // a v unit is two neighbouring vectors: one store
       store_cache<T, kCache, 2>(dst + u.col_a[s], {a[s], b[s]}, scale);
@@ -198,7 +198,7 @@ __device__ __forceinline__ void one_row(const Params& p, int64_t rows, const Div
   if (!active || is_v) return;
 
   C* k_dst = slot >= 0 ? slot_row<C>(p.k_cache, slot, p, div, kv_head) : nullptr;  // 4. per unit
-  const float k_scale = k_dst != nullptr ? cache_scale<kCache>(p.k_cache) : 1.f;
+  const InverseScale k_scale = k_dst != nullptr ? cache_inverse_scale<kCache>(p.k_cache) : InverseScale{1.f, 1.f, 1.f};
 #pragma unroll
   for (int s = 0; s < kUnits; ++s) {
     float w_a[kVecElems], w_b[kVecElems], ya[kVecElems], yb[kVecElems];
