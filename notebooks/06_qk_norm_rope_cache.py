@@ -101,9 +101,10 @@ for label, change in (("two tokens, one slot", dict(slot_mapping=torch.tensor([3
 # An FP8 cache (`torch.float8_e4m3fn`: 4 exponent bits, 3 mantissa bits, largest value 448, no
 # infinity) stores `e4m3(clamp(float32(x) / scale, -448, 448))` with a per-tensor `k_scale` and
 # `v_scale`, as vLLM's FP8 cache does. The contract pins the bytes down exactly: torch's
-# conversion, nearest with ties to even, of the division (not a multiply by a reciprocal, which
-# rounds differently in a few values). The values between the e4m3 neighbours 1.0 and 1.125, and
-# past the largest:
+# conversion, nearest with ties to even, of the division (a multiply by a reciprocal alone rounds
+# differently in a few values; the tuned kernel corrects it with one fused multiply-add, which
+# gives the division's float32). The values between the e4m3 neighbours 1.0 and 1.125, and past
+# the largest:
 
 # %%
 x = torch.tensor([1.0, 1.03, 1.0625, 1.07, 1.125, 1.1875, 460.0, 1e9])
@@ -197,7 +198,8 @@ walkthrough.effect(measured, "cuda_v2", "cuda_v3")
 # Rung 3's kernel in fewer registers: the weights held as loaded (bf16 pairs) and widened at their
 # use, rows and slots divided by multiply-high in 32 bits; 61 registers instead of 76 let four
 # blocks of 256 threads share an SM instead of three, a third more rows in flight at prefill. A v
-# unit (two neighbouring vectors) goes to an FP8 cache as one 16-byte store. With a bf16 cache the
+# unit (two neighbouring vectors) goes to an FP8 cache as one 16-byte store, its `x / scale` with
+# no division (the inverse's product, corrected). With a bf16 cache the
 # grid is cut to the resident blocks and each lane group walks rows a grid apart, prefetching its
 # next row into L2 while the current one is in flight (`waves` below). One host policy: the
 # one-pass kernel where every tensor is whole 16-byte vectors and head_dim is compiled, the split
