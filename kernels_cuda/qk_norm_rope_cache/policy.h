@@ -66,7 +66,7 @@ enum class KernelName : int { kOnePass, kSplit };
 // Whether the one-pass kernel walks (a grid of at most the resident blocks, each lane group taking a
 // row every grid's rows) or gives each lane group one row: it walks with a cache of the activation
 // dtype, where it was measured ahead of a row per lane group (docs/results/qk_norm_rope_cache_*_cwalk*);
-// with an FP8 cache the loop costs registers (a block per SM) or a spill.
+// with an FP8 cache it was slower (docs/qk_norm_rope_cache.md, tried and dropped).
 constexpr bool walks(CacheDtype cache) { return cache == CacheDtype::kActivation; }
 
 struct Kernel {

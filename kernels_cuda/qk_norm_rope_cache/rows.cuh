@@ -53,15 +53,16 @@ __device__ __forceinline__ float cache_scale(const Cache& c) {
   }
 }
 
-// An FP8 cache's scale as the tuned kernel divides by it, with no division per element:
-// x / scale = (x * to_unit) / unit, where unit = |scale| / 2^e lies in [1, 2) and to_unit = sign(scale)
-// / 2^e is a power of two (x * to_unit is exact, or so large or small that the e4m3 byte is the same);
-// a quotient by a unit is x times its inverse, corrected by one fused multiply-add (Markstein's
-// correction): the correctly rounded float32 quotient (tests: every bf16 and fp16 x against the
-// division, at scales across float32's range).
+// An FP8 cache's scale as the tuned kernel divides by it, with no division per element: with
+// |scale| = m * 2^e, m in [0.5, 1) (frexpf), x / scale = (x * to_unit) / unit, where
+// unit = |scale| * 2^(1 - e) = 2m lies in [1, 2) and to_unit = sign(scale) * 2^(1 - e) is a power of
+// two (x * to_unit is exact, or so large or small that the e4m3 byte is the same); a quotient by
+// a unit is x times its inverse, corrected by one fused multiply-add (Markstein's correction): the
+// correctly rounded float32 quotient (tests: every bf16 and fp16 x against the division, at scales
+// across float32's range).
 struct InverseScale {
-  float to_unit;  // sign(scale) * 2^-e
-  float unit;     // |scale| * 2^-e, in [1, 2) (under 1 for a subnormal scale, 0 for a zero one, 1 for an infinite one)
+  float to_unit;  // sign(scale) * 2^(1 - e)
+  float unit;     // |scale| * 2^(1 - e), in [1, 2) (under 1 for a subnormal scale, 0 for a zero one, 1 for an infinite one)
   float inverse;  // 1 / unit, correctly rounded
 };
 constexpr int kMinUnitExponent = -125;  // 2^(1 - e) at most 2^126, a normal float
@@ -71,7 +72,7 @@ __device__ __forceinline__ InverseScale cache_inverse_scale(const Cache& c) {
   const float scale = cache_scale<kCache>(c);
   if (isinf(scale)) return {copysignf(0.f, scale), 1.f, 1.f};  // x / inf: a signed zero (NaN for x infinite)
   int e = 0;
-  frexpf(scale, &e);  // |scale| = [0.5, 1) * 2^e
+  frexpf(scale, &e);
   e = max(e, kMinUnitExponent);  // a subnormal scale: 2^(1 - e) stays finite, its unit under 1
   const float unit = ldexpf(fabsf(scale), 1 - e);
   return {copysignf(ldexpf(1.f, 1 - e), scale), unit, 1.f / unit};

@@ -9,6 +9,8 @@
 //     76, 80), so four blocks of 256 threads per SM instead of three: a third more rows in flight;
 //   * a row's (token, head) and a slot's (block, offset) by multiply-high (FastDivisor) in 32 bits,
 //     where rung 3 divides 64-bit integers (the policy keeps rows and slots under 2^31);
+//   * an FP8 cache's x / scale with no division: x times the scale's inverse, corrected by one
+//     fused multiply-add (rows.cuh: InverseScale), the division's float32 in a few instructions;
 //   * a unit whose two vectors are neighbours in memory (a v row's, a k row's pass-through or
 //     interleaved units) stored into the cache as one store, so an FP8 unit of a bf16 row is 16
 //     elements in one 16-byte store, where rung 3 makes two 8-byte ones;
@@ -17,8 +19,8 @@
 //     the first wave; once its row's loads are issued, a lane group of 16-bit rows warms its next
 //     row into L2 (warm_row: the row's lines, and a token's slot and position), so each trip after
 //     the first reads from L2 what it would wait on DRAM for. 64 registers: still four blocks per SM. With
-//     an FP8 cache the loop costs ptxas 10 registers (74: three blocks per SM), so there the grid
-//     keeps a block per rows_per_block rows.
+//     an FP8 cache the walk was slower (at three blocks per SM, and at four under a launch bound),
+//     so there the grid keeps a block per rows_per_block rows.
 // Calls off the vector path take the split path: qk_norm_rope's warp per row, then rung 1's copy
 // kernel (cache_copy.cuh; policy.h says which runs when).
 //
