@@ -78,6 +78,25 @@ __device__ __forceinline__ InverseScale cache_inverse_scale(const Cache& c) {
   return {copysignf(ldexpf(1.f, 1 - e), scale), unit, 1.f / unit};
 }
 
+// The scale an FP8 store divides by: with its inverse (InverseScale) where kByInverse, else the
+// scale itself (a division). Both are 1 for a cache of the activation dtype (never read).
+template <bool kByInverse, CacheDtype kCache>
+__device__ __forceinline__ auto store_scale(const Cache& c) {
+  if constexpr (kByInverse) {
+    return cache_inverse_scale<kCache>(c);
+  } else {
+    return cache_scale<kCache>(c);
+  }
+}
+template <bool kByInverse>
+__device__ __forceinline__ auto no_store_scale() {
+  if constexpr (kByInverse) {
+    return InverseScale{1.f, 1.f, 1.f};
+  } else {
+    return 1.f;
+  }
+}
+
 // x / scale: a division, or the corrected product.
 __device__ __forceinline__ float divide(float x, float scale) { return x / scale; }
 __device__ __forceinline__ float divide(float x, const InverseScale& s) {

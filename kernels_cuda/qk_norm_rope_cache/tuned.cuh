@@ -110,6 +110,11 @@ __device__ __forceinline__ void warm_row(const Params& p, const Divisors& div, u
 template <typename T, CacheDtype kCache>
 constexpr bool kWarmsNextRow = walks(kCache) && sizeof(T) == 2;
 
+// Whether an FP8 store divides by the scale's inverse (rows.cuh: InverseScale) or by the scale: by
+// the inverse but in the fp16 interleaved kernels, where it made ptxas spill 4 to 8 bytes.
+template <typename T, Layout kLayout>
+constexpr bool kStoresByInverse = !(std::is_same_v<T, __half> && kLayout == Layout::kInterleaved);
+
 // One row of the call per lane group: `row` (past the last row the group still joins its shuffles,
 // on zeros). On the block's first row (`first`) it warms and waits for the previous kernel.
 template <typename T, Rounding kRounding, int kHeadDim, Layout kLayout, TableDtype kWeights, TableDtype kCosSin,
@@ -181,7 +186,7 @@ __device__ __forceinline__ void one_row(const Params& p, int64_t rows, const Div
 
   if (is_v && slot >= 0) {  // 2v. the v row into its slot, before the sum (which it only joins)
     C* dst = slot_row<C>(p.v_cache, slot, p, div, kv_head - r.num_kv_heads);
-    const InverseScale scale = cache_inverse_scale<kCache>(p.v_cache);
+    const auto scale = store_scale<kStoresByInverse<T, kLayout>, kCache>(p.v_cache);
 #pragma unroll
     for (int s = 0; s < kUnits; ++s) {  // a v unit is two neighbouring vectors: one store
       store_cache<T, kCache, 2>(dst + u.col_a[s], {a[s], b[s]}, scale);
@@ -200,7 +205,8 @@ __device__ __forceinline__ void one_row(const Params& p, int64_t rows, const Div
   if (!active || is_v) return;
 
   C* k_dst = slot >= 0 ? slot_row<C>(p.k_cache, slot, p, div, kv_head) : nullptr;  // 4. per unit
-  const InverseScale k_scale = k_dst != nullptr ? cache_inverse_scale<kCache>(p.k_cache) : InverseScale{1.f, 1.f, 1.f};
+  const auto k_scale = k_dst != nullptr ? store_scale<kStoresByInverse<T, kLayout>, kCache>(p.k_cache)
+                                        : no_store_scale<kStoresByInverse<T, kLayout>>();
 #pragma unroll
   for (int s = 0; s < kUnits; ++s) {
     float w_a[kVecElems], w_b[kVecElems], ya[kVecElems], yb[kVecElems];
