@@ -67,27 +67,23 @@ struct InverseScale {
 };
 constexpr int kMinUnitExponent = -125;  // 2^(1 - e) at most 2^126, a normal float
 
-template <CacheDtype kCache>
-__device__ __forceinline__ InverseScale cache_inverse_scale(const Cache& c) {
-  const float scale = cache_scale<kCache>(c);
-  if (isinf(scale)) return {copysignf(0.f, scale), 1.f, 1.f};  // x / inf: a signed zero (NaN for x infinite)
-  int e = 0;
-  frexpf(scale, &e);
-  e = max(e, kMinUnitExponent);  // a subnormal scale: 2^(1 - e) stays finite, its unit under 1
-  const float unit = ldexpf(fabsf(scale), 1 - e);
-  return {copysignf(ldexpf(1.f, 1 - e), scale), unit, 1.f / unit};
-}
-
 // The scale an FP8 store divides by: with its inverse (InverseScale) where kByInverse, else the
 // scale itself (a division). Both are 1 for a cache of the activation dtype (never read).
 template <bool kByInverse, CacheDtype kCache>
 __device__ __forceinline__ auto store_scale(const Cache& c) {
+  const float scale = cache_scale<kCache>(c);
   if constexpr (kByInverse) {
-    return cache_inverse_scale<kCache>(c);
+    if (isinf(scale)) return InverseScale{copysignf(0.f, scale), 1.f, 1.f};  // x / inf: a signed zero (NaN for x infinite)
+    int e = 0;
+    frexpf(scale, &e);
+    e = max(e, kMinUnitExponent);  // a subnormal scale: 2^(1 - e) stays finite, its unit under 1
+    const float unit = ldexpf(fabsf(scale), 1 - e);
+    return InverseScale{copysignf(ldexpf(1.f, 1 - e), scale), unit, 1.f / unit};
   } else {
-    return cache_scale<kCache>(c);
+    return scale;
   }
 }
+// A row with no slot's store_scale: never read, so not loaded.
 template <bool kByInverse>
 __device__ __forceinline__ auto no_store_scale() {
   if constexpr (kByInverse) {
